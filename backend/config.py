@@ -1,0 +1,97 @@
+"""Engine configuration: one dataclass, validated in __post_init__."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from backend.errors import ValidationError
+
+DTYPES = ("float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("none", "draft", "ngram")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str  # local HF checkpoint directory (config.json, *.safetensors, tokenizer)
+    tokenizer: str | None = None  # defaults to `model`
+    dtype: str = "float32"
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory_bytes: int = 256 * 2**20  # KV pool budget on CPU (both draft and target)
+    gpu_memory_utilization: float = 0.85  # fraction of total GPU memory for weights + KV on CUDA
+    num_kv_blocks: int | None = None  # overrides the memory budget when set (tests)
+    max_num_seqs: int = 64  # running requests at most
+    max_num_batched_tokens: int = 1024  # token budget per iteration
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "auto", "torch", "triton"
+    speculative_method: str = "none"  # "none", "draft", "ngram"
+    draft_model: str | None = None  # HF directory of the draft model (method "draft")
+    num_speculative_tokens: int = 4  # max k
+    adaptive_speculation: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise ValidationError("model", f"not a directory: {self.model}")
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.dtype not in DTYPES:
+            raise ValidationError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValidationError("block_size", f"must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValidationError("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValidationError(
+                "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValidationError(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValidationError(
+                "attention_backend", f"must be auto, torch or triton, got {self.attention_backend!r}"
+            )
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValidationError(
+                "speculative_method",
+                f"must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}",
+            )
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValidationError("draft_model", "required when speculative_method is 'draft'")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValidationError(
+                "num_speculative_tokens", f"must be in [0, 16], got {self.num_speculative_tokens}"
+            )
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str]) -> EngineConfig:
+        """Build from string values (Triton config.pbtxt `parameters`); unknown keys are errors."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, raw in values.items():
+            if key not in known:
+                raise ValidationError(key, f"unknown engine parameter; allowed: {', '.join(known)}")
+            kwargs[key] = _parse(key, str(known[key].type), raw)
+        return cls(**kwargs)
+
+
+def _parse(key: str, type_name: str, raw: str) -> Any:
+    raw = raw.strip()
+    if "None" in type_name and raw.lower() in ("", "none", "null"):
+        return None
+    try:
+        if type_name.startswith("bool"):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise ValidationError(key, f"cannot parse {raw!r} as {type_name}") from None
+    return raw

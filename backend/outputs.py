@@ -1,0 +1,19 @@
+"""What the engine hands back per request per iteration."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    text: str  # new text since the previous output of this request (a delta)
+    token_ids: list[int]  # new token ids since the previous output
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    logprobs: list[dict] | None = None  # per new token: {"token_id", "logprob", "top": {id: lp}}
+    error: str | None = None  # set when finish_reason == "error"
+    num_draft_tokens: int = 0  # total proposed by speculation so far
+    num_accepted_tokens: int = 0  # total accepted so far

@@ -1,0 +1,1 @@
+"""Streaming client library and CLI for specserve (tritonclient gRPC stream and HTTP SSE)."""

@@ -1,0 +1,1 @@
+"""Triton-language kernels, each beside its torch reference with the same signature."""
