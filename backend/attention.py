@@ -1,0 +1,76 @@
+"""Attention backends: where K/V are stored and how paged attention is computed.
+
+`TorchAttention` runs the torch references from kernels/ on any device; `TritonAttention` runs
+the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1). Both take the same metadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.kv_cache import store_kvcache_ref
+from kernels.paged_attention import paged_attention_ref
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token
+    cu_seqlens_q: torch.Tensor  # [batch + 1] int32: prefix sums of query lengths
+    seq_lens: torch.Tensor  # [batch] int32: context length incl. this step's tokens
+    block_tables: torch.Tensor  # [batch, max_blocks] int32, padded with 0
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class AttentionBackend:
+    name = "base"
+
+    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        raise NotImplementedError
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_ref(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
+            meta.max_seqlen_q, meta.max_seqlen_k,
+        )
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels.kv_cache import store_kvcache
+        from kernels.paged_attention import paged_attention
+
+        self._store = store_kvcache
+        self._attend = paged_attention
+
+    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._store(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._attend(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
+            meta.max_seqlen_q, meta.max_seqlen_k,
+        )
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,263 @@
+"""The engine: requests in, token/text deltas out, one iteration per `step()`.
+
+    batch = self.scheduler.schedule()
+    logits = self.runner.run(step_input(batch))
+    outputs = self.update(batch, logits)
+
+Not thread-safe: backend.engine_loop.EngineLoop drives it from one thread.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from backend.attention import make_attention_backend
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig
+from backend.detokenizer import IncrementalDetokenizer
+from backend.errors import ValidationError
+from backend.model_loader import TORCH_DTYPES, load_hf_config, load_model
+from backend.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from backend.outputs import RequestOutput
+from backend.request import Request, RequestStatus
+from backend.sampler import Sampler, SamplingRow
+from backend.sampling_params import SamplingParams
+from backend.scheduler import ScheduledBatch, Scheduler
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float  # 0..1
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions_total: int
+    prefix_cache_hit_tokens_total: int
+    prefix_cache_query_tokens_total: int
+    spec_draft_tokens_total: int
+    spec_accepted_tokens_total: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
+        hf_config = load_hf_config(config.model)
+        self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
+        if self.max_model_len > hf_config.max_position_embeddings:
+            raise ValidationError(
+                "max_model_len",
+                f"must be <= the model's max_position_embeddings ({hf_config.max_position_embeddings})",
+            )
+        model, _ = load_model(config.model, config.dtype, self.device, self.max_model_len)
+        self.model = model
+        self.eos_token_ids = self._eos_token_ids(config.model)
+        self.attention = make_attention_backend(config.attention_backend, self.device)
+        bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
+        self.num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(bytes_per_block)
+        if self.num_blocks < 2:
+            raise ValidationError("kv_cache_memory_bytes", f"room for {self.num_blocks} KV blocks; need >= 2")
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_tokens_emitted: dict[str, int] = {}  # request id -> output tokens already handed out
+        self.pending_logprobs: dict[str, list[dict]] = {}  # request id -> logprobs not handed out yet
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.peak_blocks_used = 0
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _eos_token_ids(self, model_dir: str) -> frozenset[int]:
+        ids: set[int] = set()
+        try:
+            eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except OSError:
+            pass
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def _num_blocks_for_budget(self, bytes_per_block: int) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
+        else:
+            budget = self.config.kv_cache_memory_bytes
+        return max(budget // bytes_per_block, 0)
+
+    # -- requests -------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValidationError("text_input", "the prompt is empty")
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValidationError("input_ids", f"token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValidationError(
+                "text_input", f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}"
+            )
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValidationError(
+                "max_tokens",
+                f"must be in [1, {self.max_model_len - len(prompt_ids)}] for this {len(prompt_ids)}-token "
+                f"prompt (context {self.max_model_len}), got {params.max_tokens}",
+            )
+        need = self.block_manager.blocks_needed(len(prompt_ids) + params.max_tokens)
+        if need > self.num_blocks:
+            raise ValidationError(
+                "max_tokens", f"prompt + max_tokens needs {need} KV blocks; the pool has {self.num_blocks}"
+            )
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        self.validate(prompt_ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValidationError("request_id", f"{request_id!r} is already running")
+        request = Request(request_id, list(prompt_ids), params, eos_token_ids=self.eos_token_ids)
+        self.requests[request_id] = request
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
+        self.num_tokens_emitted[request_id] = 0
+        self.scheduler.add(request)
+        self.prompt_tokens_total += len(prompt_ids)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort at once (blocks freed); returns the request's final output, or None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._output(request)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error (after an exception inside a step)."""
+        outputs = []
+        for request in list(self.requests.values()):
+            request.error = message
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._output(request))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one iteration ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
+        logits = self.runner.run(self.step_input(batch))
+        return self.update(batch, logits)
+
+    @staticmethod
+    def step_input(batch: ScheduledBatch) -> StepInput:
+        token_ids, starts, tables, num_logits = [], [], [], []
+        for request, n in zip(batch.requests, batch.num_scheduled_tokens):
+            start = request.num_computed_tokens
+            token_ids.append(request.tokens_slice(start, start + n))
+            starts.append(start)
+            tables.append(request.block_table)
+            # logits for the last real token and every draft token, once they are all computed
+            num_logits.append(start + n - request.num_tokens + 1 if start + n >= request.num_tokens else 0)
+        return StepInput(token_ids, starts, tables, num_logits)
+
+    def update(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
+        sampled = [r for r, n in zip(batch.requests, batch.num_scheduled_tokens) if r.num_computed_tokens + n >= r.num_tokens]
+        for request, n in zip(batch.requests, batch.num_scheduled_tokens):
+            request.num_computed_tokens += n
+        rows = [SamplingRow(r) for r in sampled]
+        tokens, logprobs = self.sampler(logits, rows) if rows else ([], [])
+        outputs = []
+        for request, token, lp in zip(sampled, tokens, logprobs):
+            self._append_tokens(request, [token], [lp])
+            if request.is_finished:
+                self.scheduler.finish(request, request.status)
+            else:
+                self.block_manager.cache_full_blocks(request)
+            outputs.append(self._output(request))
+        return outputs
+
+    def _append_tokens(self, request: Request, tokens: list[int], logprobs: list[dict | None]) -> None:
+        """Append tokens one at a time, stopping exactly where the request finishes."""
+        detok = self.detokenizers[request.request_id]
+        p = request.params
+        for token, lp in zip(tokens, logprobs):
+            request.output_token_ids.append(token)
+            if lp is not None:
+                self.pending_logprobs.setdefault(request.request_id, []).append(lp)
+            self.generation_tokens_total += 1
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            stop_string = detok.add_token(token)
+            n_out = request.num_output_tokens
+            stopped = stop_string or (
+                n_out >= p.min_tokens
+                and (token in p.stop_token_ids or (token in request.eos_token_ids and not p.ignore_eos))
+            )
+            if stopped:
+                request.status = RequestStatus.FINISHED_STOPPED
+            elif n_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
+                request.status = RequestStatus.FINISHED_LENGTH
+            if request.is_finished:
+                return
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The request's news since its previous output; forgets the request once finished."""
+        rid = request.request_id
+        finished = request.is_finished
+        start = self.num_tokens_emitted[rid]
+        self.num_tokens_emitted[rid] = request.num_output_tokens
+        out = RequestOutput(
+            request_id=rid,
+            text=self.detokenizers[rid].take_delta(finished),
+            token_ids=request.output_token_ids[start:],
+            finished=finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            logprobs=self.pending_logprobs.pop(rid, None),
+            error=request.error,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
+        )
+        if finished:
+            del self.requests[rid], self.detokenizers[rid], self.num_tokens_emitted[rid]
+        return out
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            kv_cache_usage=bm.usage,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens_total=bm.prefix_hit_tokens,
+            prefix_cache_query_tokens_total=bm.prefix_query_tokens,
+            spec_draft_tokens_total=0,
+            spec_accepted_tokens_total=0,
+        )

@@ -1,0 +1,111 @@
+"""Drives an LLMEngine from one background thread.
+
+Other threads submit and abort; the engine thread applies those between iterations, steps the
+engine while it has work, and hands every RequestOutput to the callback given at submit time.
+If a step raises, every request in flight ends with an error and the loop keeps serving.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from typing import Callable
+
+from backend.engine import LLMEngine
+from backend.outputs import RequestOutput
+from backend.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._lock = threading.Lock()
+        self._next_id = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_output: OutputCallback,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate now (raises ValidationError), run on the engine thread."""
+        self.engine.validate(prompt_ids, params)
+        with self._lock:
+            if request_id is None:
+                request_id = f"loop-{self._next_id}"
+                self._next_id += 1
+        self._inbox.put(("add", request_id, list(prompt_ids), params, on_output))
+        self._wakeup.set()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is left, stop the thread."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        callback = self._callbacks.get(output.request_id)
+        if callback is None:
+            return
+        if output.finished:
+            del self._callbacks[output.request_id]
+        try:
+            callback(output)
+        except Exception:  # a broken consumer must not stop the engine
+            log.exception("output callback for %s failed", output.request_id)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                _, request_id, prompt_ids, params, on_output = item
+                self._callbacks[request_id] = on_output
+                try:
+                    self.engine.add_request(prompt_ids, params, request_id)
+                except Exception as e:  # e.g. a duplicate id: end just this request
+                    self._deliver(RequestOutput(request_id, "", [], True, "error", error=str(e)))
+            else:
+                output = self.engine.abort(item[1])
+                if output is not None:
+                    self._deliver(output)
+
+    def _run(self) -> None:
+        while True:
+            self._drain_inbox()
+            if self._stopping:
+                for request_id in list(self.engine.requests):
+                    self._deliver(self.engine.abort(request_id))
+                return
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(0.1)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                outputs = self.engine.fail_all(f"internal error in the engine: {e}")
+            for output in outputs:
+                self._deliver(output)

@@ -1,0 +1,323 @@
+"""Start a real tritonserver on the specserve model repository.
+
+The binary is looked up in this order: `$TRITONSERVER_BIN`, `tritonserver` on PATH (the NGC
+container), then the copy that the `nvidia-pytriton` wheel ships. The wheel's copy needs what
+the container has by default: a Python backend directory holding the stub built for the running
+Python, and the interpreter's shared libpython and the wheel's bundled libraries on
+LD_LIBRARY_PATH.
+
+The stub embeds an isolated interpreter: it ignores PYTHONPATH and finds its prefix by looking
+up `python3` on PATH. So this interpreter's bin directory goes first on PATH (inside a virtual
+environment that makes the stub use the environment's site-packages, not the base Python's), and
+PYTHONPATH (this repository, then site-packages) is applied by the models' own `model.py`.
+
+    python -m backend.launcher --http-port 8000 --grpc-port 8001 --metrics-port 8002
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
+
+
+class LaunchError(RuntimeError):
+    """tritonserver could not be found, prepared or started; the message says what to do."""
+
+
+@dataclass(slots=True)
+class Tritonserver:
+    binary: Path
+    backend_directory: Path | None  # None: the binary's own default (/opt/tritonserver/backends)
+    library_path: list[str] = field(default_factory=list)  # prepended to LD_LIBRARY_PATH
+
+
+@dataclass
+class ServerHandle:
+    """A running tritonserver; `stop()` shuts it down (SIGTERM, then SIGKILL after a timeout)."""
+
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    host: str = "127.0.0.1"
+    log_path: Path | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def is_ready(self) -> bool:
+        return _http_ready(self.host, self.http_port)
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def find_tritonserver() -> Tritonserver:
+    explicit = os.environ.get("TRITONSERVER_BIN")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise LaunchError(f"TRITONSERVER_BIN={explicit} is not an executable file")
+        return Tritonserver(Path(explicit), backend_directory=None)
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return Tritonserver(Path(on_path), backend_directory=None)
+    return _pip_tritonserver()
+
+
+def _pip_tritonserver() -> Tritonserver:
+    try:
+        import pytriton
+    except ImportError:
+        raise LaunchError(
+            "no tritonserver found: set TRITONSERVER_BIN, put tritonserver on PATH, "
+            "or `pip install nvidia-pytriton` (ships one)"
+        ) from None
+    dist = Path(pytriton.__file__).parent / "tritonserver"
+    binary = dist / "bin" / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not binary.exists():
+        raise LaunchError(f"nvidia-pytriton is installed but has no tritonserver at {binary}")
+    if not stub.exists():
+        shipped = sorted(p.name for p in (dist / "python_backend_stubs").iterdir())
+        raise LaunchError(
+            f"nvidia-pytriton has no Python backend stub for Python {version} "
+            f"(it ships {', '.join(shipped)}); use one of those Python versions"
+        )
+    libdir = _shared_libpython_dir()
+    bundled_libs = dist.parent.parent / "nvidia_pytriton.libs"
+    return Tritonserver(
+        binary,
+        backend_directory=_prepare_backend_directory(dist, stub),
+        library_path=[libdir, str(bundled_libs)],
+    )
+
+
+def _shared_libpython_dir() -> str:
+    """Directory of this interpreter's libpythonX.Y.so, which the Python backend stub links."""
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    name = sysconfig.get_config_var("LDLIBRARY") or ""
+    shared = sysconfig.get_config_var("Py_ENABLE_SHARED")
+    if not shared or not name.endswith(".so") or not (Path(libdir) / name).exists():
+        raise LaunchError(
+            f"{sys.executable} has no shared libpython (Py_ENABLE_SHARED={shared}, "
+            f"LIBDIR={libdir}, LDLIBRARY={name}); the Python backend stub needs "
+            f"libpython{sys.version_info.major}.{sys.version_info.minor}.so. Use a Python built "
+            "with --enable-shared (distribution packages are; for pyenv: "
+            'PYTHON_CONFIGURE_OPTS="--enable-shared" pyenv install ...)'
+        )
+    return libdir
+
+
+def _prepare_backend_directory(dist: Path, stub: Path) -> Path:
+    """Copy the Python backend plus the stub for this Python into a cache dir, once per version."""
+    sources = [dist / "backends" / "python" / name for name in PYTHON_BACKEND_FILES] + [stub]
+    key = hashlib.sha256()
+    for src in sources:
+        st = src.stat()
+        key.update(f"{src}:{st.st_size}:{st.st_mtime_ns}".encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specserve"
+    backends = cache / f"triton-backends-{key.hexdigest()[:16]}"
+    if (backends / "python" / stub.name).exists():
+        return backends
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="backends-", dir=cache))
+    (staging / "python").mkdir()
+    for src in sources:
+        shutil.copy2(src, staging / "python" / src.name)
+    try:
+        staging.rename(backends)  # atomic: concurrent launchers race safely
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return backends
+
+
+def server_environment(server: Tritonserver) -> dict[str, str]:
+    env = os.environ.copy()
+    lib_path = server.library_path + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
+    if lib_path:
+        env["LD_LIBRARY_PATH"] = ":".join(lib_path)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    site_packages = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    python_path = [str(REPO_ROOT), *sorted(site_packages)]
+    python_path += [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    env["PYTHONPATH"] = ":".join(python_path)
+    return env
+
+
+def server_command(
+    server: Tritonserver,
+    model_repository: Path,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    log_verbose: int = 0,
+    log_level: str = "info",
+) -> list[str]:
+    levels = ("error", "warning", "info")
+    if log_level not in levels:
+        raise LaunchError(f"log level must be one of {levels}, got {log_level!r}")
+    enabled = levels[: levels.index(log_level) + 1]
+    cmd = [
+        str(server.binary),
+        f"--model-repository={model_repository}",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        "--allow-metrics=true",
+        "--allow-gpu-metrics=false",
+        f"--log-verbose={log_verbose}",
+        *(f"--log-{level}={str(level in enabled).lower()}" for level in levels),
+    ]
+    if server.backend_directory is not None:
+        cmd.append(f"--backend-directory={server.backend_directory}")
+    return cmd
+
+
+def start_server(
+    model_repository: str | Path = DEFAULT_MODEL_REPOSITORY,
+    http_port: int = 8000,
+    grpc_port: int = 8001,
+    metrics_port: int = 8002,
+    log_verbose: int = 0,
+    log_level: str = "info",
+    log_file: str | Path | IO | None = None,
+    ready_timeout: float = 300.0,
+    extra_env: dict[str, str] | None = None,
+) -> ServerHandle:
+    """Start tritonserver and wait until /v2/health/ready answers 200.
+
+    `log_file`: a path (the server's stdout and stderr are written there), an open file, or None
+    (inherit this process's stdout and stderr).
+    """
+    model_repository = Path(model_repository).resolve()
+    if not model_repository.is_dir():
+        raise LaunchError(f"model repository not found: {model_repository}")
+    server = find_tritonserver()
+    cmd = server_command(
+        server, model_repository, http_port, grpc_port, metrics_port, log_verbose, log_level
+    )
+    env = server_environment(server) | (extra_env or {})
+    log_path = None
+    out: IO | None = None
+    if isinstance(log_file, (str, Path)):
+        log_path = Path(log_file)
+        out = open(log_path, "ab")  # noqa: SIM115 (kept open by the child)
+    elif log_file is not None:
+        out = log_file
+    process = subprocess.Popen(
+        cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, cwd=REPO_ROOT
+    )
+    handle = ServerHandle(process, http_port, grpc_port, metrics_port, log_path=log_path)
+    deadline = time.monotonic() + ready_timeout
+    while not handle.is_ready():
+        if process.poll() is not None:
+            raise LaunchError(
+                f"tritonserver exited with code {process.returncode} before it was ready"
+                + (f"; log tail:\n{handle.log_tail()}" if log_path else "")
+            )
+        if time.monotonic() > deadline:
+            handle.stop()
+            raise LaunchError(f"tritonserver not ready after {ready_timeout:.0f} s")
+        time.sleep(0.25)
+    return handle
+
+
+def _http_ready(host: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="specserve-serve", description="Serve the specserve model repository with tritonserver."
+    )
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbosity (0: off)")
+    parser.add_argument("--log-level", choices=("error", "warning", "info"), default="info")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
+    args = parser.parse_args(argv)
+
+    try:
+        handle = start_server(
+            args.model_repository,
+            args.http_port,
+            args.grpc_port,
+            args.metrics_port,
+            args.log_verbose,
+            args.log_level,
+            ready_timeout=args.ready_timeout,
+        )
+    except LaunchError as e:
+        print(f"specserve-serve: {e}", file=sys.stderr)
+        return 1
+
+    def forward(signum, _frame):
+        if handle.process.poll() is None:
+            handle.process.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    print(
+        f"\nspecserve is ready: model `llm`\n"
+        f"  HTTP     http://{handle.http_url}/v2/models/llm/generate_stream\n"
+        f"  gRPC     {handle.grpc_url}\n"
+        f"  metrics  {handle.metrics_url}\n"
+        f'  try      python -m client.cli "Once upon a time" --max-tokens 64 '
+        f"--url {handle.grpc_url}\n",
+        flush=True,
+    )
+    return handle.process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

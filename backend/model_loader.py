@@ -1,0 +1,113 @@
+"""Load a Llama-family model from a local HF checkpoint directory.
+
+Config through transformers (so every RoPE scaling variant it knows is computed the same way),
+weights through safetensors, straight into backend.model's modules (the names match HF's).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from backend.errors import ValidationError
+from backend.model import LlamaForCausalLM, ModelArgs, RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    archs = getattr(config, "architectures", None) or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValidationError(
+            "model",
+            f"architecture {archs or config.model_type!r} in {model_dir} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
+    return config
+
+
+def model_args(config: PretrainedConfig) -> ModelArgs:
+    qwen2 = config.model_type == "qwen2"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelArgs(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        qkv_bias=qwen2 or bool(getattr(config, "attention_bias", False)),
+        o_bias=(not qwen2) and bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_position_embeddings=config.max_position_embeddings,
+    )
+
+
+def rope_inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("default", None):
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        return inv_freq, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValidationError("model", f"RoPE type {rope_type!r} is not supported")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq, float(scaling)
+
+
+def load_model(
+    model_dir: str | Path, dtype: str, device: torch.device, max_model_len: int
+) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+    config = load_hf_config(model_dir)
+    args = model_args(config)
+    inv_freq, scaling = rope_inverse_frequencies(config, args.head_dim)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args, RotaryEmbedding(inv_freq.to("meta"), scaling, 1))
+    model = model.to_empty(device=device).to(TORCH_DTYPES[dtype])
+    rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
+    for layer in model.model.layers:
+        layer.self_attn.rotary = rotary
+    _load_weights(model, Path(model_dir), device)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval(), config
+
+
+def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device) -> None:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValidationError("model", f"no *.safetensors weights in {model_dir}")
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in params:
+                    if name.endswith("rotary_emb.inv_freq") or (
+                        name == "lm_head.weight" and model.args.tie_word_embeddings
+                    ):
+                        continue
+                    raise ValidationError("model", f"unexpected weight {name!r} in {file.name}")
+                target = params[name]
+                tensor = f.get_tensor(name)
+                if tensor.shape != target.shape:
+                    raise ValidationError(
+                        "model", f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                    )
+                with torch.no_grad():
+                    target.copy_(tensor.to(device=device, dtype=target.dtype))
+                loaded.add(name)
+    missing = set(params) - loaded
+    if model.args.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValidationError("model", f"weights missing from {model_dir}: {sorted(missing)[:5]}")

@@ -1,0 +1,104 @@
+"""One generation request and its life cycle in the engine."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed, back in the waiting queue, recomputed later
+    FINISHED_STOPPED = "finished_stopped"  # EOS, stop token id or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the model's context
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)  # logical block -> physical block id
+    num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
+    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    # timestamps (time.monotonic())
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # speculative decoding counters
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_rate: float = 0.7  # moving average, prior before any measurement
+    num_preemptions: int = 0
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def token_at(self, index: int) -> int:
+        """Token `index` of prompt + output + spec tokens."""
+        n_prompt = len(self.prompt_token_ids)
+        if index < n_prompt:
+            return self.prompt_token_ids[index]
+        index -= n_prompt
+        if index < len(self.output_token_ids):
+            return self.output_token_ids[index]
+        return self.spec_token_ids[index - len(self.output_token_ids)]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output + spec tokens."""
+        return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]

@@ -1,0 +1,148 @@
+"""Turn logits into tokens: penalties, temperature, top-k, top-p, min-p, seeded sampling, logprobs.
+
+Each row of the logits belongs to one request (and, when verifying draft tokens, one position:
+`extra_output` holds the draft tokens before it, counted as output for penalties and min_tokens).
+Random draws come from the request's own generator when it has a seed, so its tokens do not
+depend on its batch-mates. Sampling is exact: argmax(p / E) with E ~ Exp(1) draws from p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.request import Request
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    request: Request
+    extra_output: list[int] = field(default_factory=list)  # draft tokens before this position
+
+    @property
+    def num_output(self) -> int:
+        return self.request.num_output_tokens + len(self.extra_output)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt + output), presence and frequency (output) penalties, and the
+    EOS/stop-token mask before min_tokens. logits: [num_rows, vocab] float32, changed in place."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        p = row.request.params
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            output = row.request.output_token_ids + row.extra_output
+            out_ids = torch.tensor(output, dtype=torch.long, device=logits.device)
+            counts = torch.zeros(vocab, device=logits.device).index_add_(
+                0, out_ids, torch.ones(len(output), device=logits.device)
+            )
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                seen[torch.tensor(row.request.prompt_token_ids, device=logits.device)] = True
+                x = logits[i]
+                penalized = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+                logits[i] = torch.where(seen, penalized, x)
+            if p.frequency_penalty:
+                logits[i] -= p.frequency_penalty * counts
+            if p.presence_penalty:
+                logits[i] -= p.presence_penalty * (counts > 0).float()
+        if row.num_output < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.request.eos_token_ids))
+            if banned:
+                logits[i, banned] = float("-inf")
+    return logits
+
+
+def probs_from_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution each row samples from: [num_rows, vocab] float32. Greedy rows
+    (temperature 0) get a one-hot on their argmax."""
+    n, vocab = logits.shape
+    device = logits.device
+    params = [r.request.params for r in rows]
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    x = logits / temperature[:, None]
+    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(t < 1.0 for t in top_p):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device)[None, :]
+        drop = rank >= torch.tensor(top_k, device=device)[:, None]
+        sorted_probs = sorted_x.masked_fill(drop, float("-inf")).softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]  # keeps the top token
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = x.softmax(-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if (min_p > 0).any():
+        keep = probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    if greedy.any():
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def exponential_noise(rows: list[SamplingRow], shape: tuple[int, int], device, generator) -> torch.Tensor:
+    """Exp(1) noise per row; a seeded request's rows come from its own generator, in row order."""
+    noise = torch.empty(shape, device="cpu").exponential_(generator=generator)
+    for i, row in enumerate(rows):
+        if row.request.generator is not None:
+            noise[i].exponential_(generator=row.request.generator)
+    return noise.to(device)
+
+
+def uniform_noise(rows: list[SamplingRow], device, generator) -> torch.Tensor:
+    """One U(0, 1) draw per row, from the request's generator when it has a seed."""
+    u = torch.rand(len(rows), generator=generator)
+    for i, row in enumerate(rows):
+        if row.request.generator is not None:
+            u[i] = torch.rand(1, generator=row.request.generator)[0]
+    return u.to(device)
+
+
+def sample_from_probs(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator) -> torch.Tensor:
+    """One token per row: [num_rows] int64. Greedy rows take their argmax without any draw."""
+    greedy = [r.request.params.greedy for r in rows]
+    tokens = probs.argmax(-1)
+    if all(greedy):
+        return tokens
+    sampled_rows = [r for r, g in zip(rows, greedy) if not g]
+    idx = torch.tensor([i for i, g in enumerate(greedy) if not g], device=probs.device)
+    noise = exponential_noise(sampled_rows, (len(sampled_rows), probs.shape[1]), probs.device, generator)
+    tokens[idx] = (probs[idx] / noise).argmax(-1)
+    return tokens
+
+
+def compute_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
+) -> list[dict | None]:
+    """Log-probabilities of the model's raw distribution: the chosen token and the top-n."""
+    out: list[dict | None] = [None] * len(rows)
+    wanted = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None]
+    if not wanted:
+        return out
+    logp = torch.log_softmax(logits[wanted], dim=-1)
+    for j, i in enumerate(wanted):
+        n = rows[i].request.params.logprobs
+        token = int(tokens[i])
+        entry = {"token_id": token, "logprob": float(logp[j, token]), "top": {}}
+        if n:
+            values, ids = logp[j].topk(n)
+            entry["top"] = {int(t): float(v) for t, v in zip(ids, values)}
+        out[i] = entry
+    return out
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict | None]]:
+        """logits: [num_rows, vocab] float32 from the model."""
+        raw = logits
+        logits = apply_penalties(logits.clone(), rows)
+        probs = probs_from_logits(logits, rows)
+        tokens = sample_from_probs(probs, rows, self.generator)
+        return tokens.tolist(), compute_logprobs(raw, tokens, rows)

@@ -1,0 +1,109 @@
+"""Iteration-level scheduler: one token budget per step, no prefill or decode phases.
+
+Each step every running request asks for the tokens it has not computed yet (1 when decoding,
+1 + k when verifying k draft tokens, a chunk while prefilling); waiting requests are then admitted
+with whatever budget, sequence slots and blocks are left (chunked prefill). A running request that
+cannot get a block preempts the newest running request: its blocks are freed and it goes back to
+the head of the waiting queue to be recomputed later. Nothing is ever dropped.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from backend.block_manager import BlockManager
+from backend.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    requests: list[Request]  # in batch order
+    num_scheduled_tokens: list[int]  # same order: tokens computed this step per request
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest first; the newest is preempted first
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        scheduled: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                batch.requests.append(request)
+                batch.num_scheduled_tokens.append(num_new)
+                scheduled.add(request.request_id)
+                budget -= num_new
+                i += 1
+
+        # admit waiting requests, unless this step already had to preempt
+        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_computed_tokens == 0:
+                request.num_computed_tokens = self.block_manager.match_prefix(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
+                self.block_manager.free(request)
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Finish or abort a request wherever it is; its blocks are freed at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.spec_token_ids = []
+        request.status = status
+        request.finished_time = time.monotonic()
