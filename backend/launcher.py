@@ -209,6 +209,7 @@ def server_command(
         f"--metrics-port={metrics_port}",
         "--allow-metrics=true",
         "--allow-gpu-metrics=false",
+        "--disable-auto-complete-config",  # the configs are complete; skips a stub start per model
         f"--log-verbose={log_verbose}",
         *(f"--log-{level}={str(level in enabled).lower()}" for level in levels),
     ]

@@ -1,0 +1,238 @@
+"""llm_engine: a decoupled Python backend model, a thin adapter around backend.EngineLoop.
+
+`execute()` hands each request to the engine thread and returns None at once. The engine thread
+calls back with every RequestOutput; those go through a queue to one sender thread, which sends
+the responses (a text delta per output when streaming, one response otherwise), polls
+`is_cancelled()` and aborts cancelled requests in the engine. Every request ends with exactly one
+response flagged COMPLETE_FINAL, errors and cancellations included.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _extend_sys_path() -> None:
+    """The stub's embedded interpreter ignores PYTHONPATH (the launcher puts the repo there);
+    the repository holding this model repository works without it."""
+    here = Path(__file__).resolve().parent
+    entries = [str(here), *os.environ.get("PYTHONPATH", "").split(os.pathsep), str(here.parents[2])]
+    for entry in reversed(entries):
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
+
+
+_extend_sys_path()
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+from metrics import EngineMetrics  # noqa: E402
+
+from backend.config import EngineConfig  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.engine_loop import EngineLoop  # noqa: E402
+from backend.errors import ValidationError  # noqa: E402
+from backend.outputs import RequestOutput  # noqa: E402
+from backend.sampling_params import SamplingParams  # noqa: E402
+
+PATH_PARAMETERS = ("model", "tokenizer", "draft_model")  # relative to this model's directory
+POLL_INTERVAL_S = 0.02  # how often the sender checks for cancelled requests and refreshes gauges
+_STOP = object()
+
+
+@dataclass(slots=True)
+class RequestState:
+    sender: object  # pb_utils.InferenceResponseSender
+    options: dict  # stream, exclude_input_in_output, return_* flags (see preprocessing)
+    prompt_text: str
+    arrival: float  # time.monotonic() when execute() received the request
+    last_token_time: float | None = None
+    cancelled: bool = False
+    text: list[str] = field(default_factory=list)  # not streaming: the completion so far
+    logprobs: list[dict] = field(default_factory=list)  # not sent yet
+    echo_pending: bool = False  # the prompt still has to precede the next text
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(
+                "llm_engine must be decoupled: model_transaction_policy { decoupled: true }"
+            )
+        model_dir = Path(args["model_repository"])
+        config = EngineConfig.from_strings(_engine_parameters(model_config, model_dir))
+        pb_utils.Logger.log_info(f"llm_engine: starting engine with {config}")
+        self.loop = EngineLoop(LLMEngine(config))
+        self.metrics = EngineMetrics({"model": args["model_name"], "version": args["model_version"]})
+        self.requests: dict[str, RequestState] = {}  # request id -> state; sender thread owns it
+        self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # (time, RequestOutput) or _STOP
+        self.loop.start()
+        self.sender = threading.Thread(target=self._send_loop, name="specserve-sender", daemon=True)
+        self.sender.start()
+        pb_utils.Logger.log_info(
+            f"llm_engine: ready, max_model_len {self.loop.engine.max_model_len}, "
+            f"{self.loop.engine.stats().num_total_blocks} KV blocks"
+        )
+
+    # -- Triton's thread: hand off, never block -----------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def _submit(self, request) -> None:
+        arrival = time.monotonic()
+        sender = request.get_response_sender()
+        try:
+            prompt_ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
+            params = SamplingParams.from_dict(json.loads(_text(request, "sampling_params")))
+            options = json.loads(_text(request, "request_options") or "{}")
+            prompt_text = _text(request, "prompt_text")
+        except (ValidationError, ValueError, TypeError, AttributeError) as e:
+            _send_error(sender, f"llm_engine: bad request: {e}", pb_utils.TritonError.INVALID_ARG)
+            return
+        request_id = uuid.uuid4().hex
+        state = RequestState(sender, options, prompt_text, arrival)
+        state.echo_pending = not options.get("exclude_input_in_output", True)
+        self.requests[request_id] = state  # before submit: outputs may come back at once
+        try:
+            self.loop.submit(prompt_ids.reshape(-1).tolist(), params, self._on_output, request_id)
+        except ValidationError as e:
+            del self.requests[request_id]
+            _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+
+    # -- engine thread: enqueue only ------------------------------------------------------------
+    def _on_output(self, output: RequestOutput) -> None:
+        self.outputs.put((time.monotonic(), output))
+
+    # -- sender thread ----------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        next_poll = 0.0
+        while True:
+            try:
+                item = self.outputs.get(timeout=POLL_INTERVAL_S)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                return
+            if item is not None:
+                self._handle(*item)
+            now = time.monotonic()
+            if now >= next_poll:
+                next_poll = now + POLL_INTERVAL_S
+                self._check_cancelled()
+                self.metrics.refresh(self.loop.engine.stats())
+
+    def _check_cancelled(self) -> None:
+        for request_id, state in list(self.requests.items()):
+            if not state.cancelled and state.sender.is_cancelled():
+                state.cancelled = True
+                self.loop.abort(request_id)  # the engine frees the blocks and sends a final output
+
+    def _handle(self, now: float, output: RequestOutput) -> None:
+        state = self.requests.get(output.request_id)
+        if state is None:
+            return
+        if output.token_ids:
+            self._observe_latency(state, now, len(output.token_ids))
+        if output.finished:
+            del self.requests[output.request_id]
+            self.metrics.request_finished(output.finish_reason or "error", now - state.arrival)
+            self.metrics.refresh(self.loop.engine.stats())
+        if output.logprobs:
+            state.logprobs.extend(output.logprobs)
+        try:
+            self._respond(state, output)
+        except Exception as e:  # e.g. the client went away; the request is over either way
+            pb_utils.Logger.log_warn(f"llm_engine: sending a response failed: {e}")
+
+    def _observe_latency(self, state: RequestState, now: float, num_new_tokens: int) -> None:
+        if state.last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - state.arrival)
+            num_new_tokens -= 1
+        if num_new_tokens > 0 and state.last_token_time is not None:
+            per_token = (now - state.last_token_time) / num_new_tokens
+            for _ in range(num_new_tokens):
+                self.metrics.inter_token_latency.observe(per_token)
+        state.last_token_time = now
+
+    def _respond(self, state: RequestState, output: RequestOutput) -> None:
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if output.finished and output.finish_reason == "error":
+            _send_error(state.sender, output.error or "internal error in the engine")
+            return
+        if output.finished and state.cancelled:
+            state.sender.send(flags=final)
+            return
+        if not state.options.get("stream", False):
+            state.text.append(output.text)
+            if output.finished:
+                state.sender.send(self._response(state, "".join(state.text), output), flags=final)
+            return
+        if output.text or output.finished:
+            flags = final if output.finished else 0
+            state.sender.send(self._response(state, output.text, output), flags=flags)
+
+    def _response(self, state: RequestState, text: str, output: RequestOutput):
+        if state.echo_pending:
+            text, state.echo_pending = state.prompt_text + text, False
+        options = state.options
+        tensors = [_bytes_tensor("text_output", text)]
+        if options.get("return_finish_reason"):
+            tensors.append(_bytes_tensor("finish_reason", output.finish_reason or ""))
+        if options.get("return_num_input_tokens"):
+            tensors.append(_uint32_tensor("num_input_tokens", output.num_prompt_tokens))
+        if options.get("return_num_output_tokens"):
+            tensors.append(_uint32_tensor("num_output_tokens", output.num_output_tokens))
+        if options.get("return_logprobs"):
+            tensors.append(_bytes_tensor("logprobs", json.dumps(state.logprobs)))
+            state.logprobs = []
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def finalize(self):
+        """Abort what is in flight (each request still gets its final response), stop threads."""
+        self.loop.shutdown()
+        self.outputs.put(_STOP)
+        self.sender.join(timeout=30)
+        for state in self.requests.values():
+            _send_error(state.sender, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+        self.requests.clear()
+
+
+def _engine_parameters(model_config: dict, model_dir: Path) -> dict[str, str]:
+    values = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+    for key in PATH_PARAMETERS:
+        value = values.get(key, "").strip()
+        if value and not Path(value).is_absolute():
+            values[key] = str(model_dir / value)
+    return values
+
+
+def _text(request, name: str) -> str:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return ""
+    value = tensor.as_numpy().reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _bytes_tensor(name: str, text: str):
+    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=np.object_))
+
+
+def _uint32_tensor(name: str, value: int):
+    return pb_utils.Tensor(name, np.array([value], dtype=np.uint32))
+
+
+def _send_error(sender, message: str, code=None) -> None:
+    code = pb_utils.TritonError.INTERNAL if code is None else code
+    response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
