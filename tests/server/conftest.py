@@ -1,0 +1,116 @@
+"""A real tritonserver for the server tests: one per session, on free ports, via backend.launcher.
+
+It serves the repository's own model_repository. Where the default model has not been put in
+`model_repository/llm_engine/1/target`, the same configs are served with a tiny random Llama
+instead (a copy of the repository whose model paths point at it), so the serving path is still
+tested end to end.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from backend.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_server
+from tests.conftest import write_tiny_model
+
+pytestmark = pytest.mark.server
+DEFAULT_MODEL = DEFAULT_MODEL_REPOSITORY / "llm_engine" / "1" / "target"
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass
+class Server:
+    handle: ServerHandle
+    model_dir: Path  # the checkpoint llm_engine serves (tokenizer included)
+
+    @property
+    def grpc_url(self) -> str:
+        return self.handle.grpc_url
+
+    @property
+    def http_url(self) -> str:
+        return self.handle.http_url
+
+    def metrics(self) -> dict[str, float]:
+        """specserve_* samples by name plus labels, e.g. `specserve_request_success_total{finish_reason="stop"}`."""
+        text = urllib.request.urlopen(self.handle.metrics_url, timeout=10).read().decode()
+        samples = {}
+        for m in re.finditer(r"^(specserve_\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M):
+            name, labels, value = m.groups()
+            extra = [
+                label for label in (labels or "").split(",")
+                if label and not label.startswith(("model=", "version="))
+            ]
+            samples[name + ("{" + ",".join(extra) + "}" if extra else "")] = float(value)
+        return samples
+
+    def wait_for_metrics(self, predicate, timeout: float = 20.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            samples = self.metrics()
+            if predicate(samples) or time.monotonic() > deadline:
+                return samples
+            time.sleep(0.1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _repository_with_tiny_model(root: Path) -> tuple[Path, Path]:
+    model_dir = write_tiny_model(root / "tiny_llama")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    repository = root / "model_repository"
+    for model in ("preprocessing", "llm_engine", "llm"):
+        (repository / model).mkdir(parents=True)
+        config = (DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text()
+        config = config.replace('"llm_engine/1/target"', f'"{model_dir}"')  # preprocessing
+        config = config.replace('"1/target"', f'"{model_dir}"')  # llm_engine
+        (repository / model / "config.pbtxt").write_text(config)
+        version = repository / model / "1"
+        version.mkdir()
+        for source in (DEFAULT_MODEL_REPOSITORY / model / "1").glob("*.py"):
+            shutil.copy(source, version / source.name)
+    return repository, model_dir
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    root = tmp_path_factory.mktemp("server")
+    if (DEFAULT_MODEL / "config.json").exists():
+        repository, model_dir = DEFAULT_MODEL_REPOSITORY, DEFAULT_MODEL
+    else:
+        repository, model_dir = _repository_with_tiny_model(root)
+    handle = start_server(
+        repository,
+        http_port=_free_port(),
+        grpc_port=_free_port(),
+        metrics_port=_free_port(),
+        log_file=root / "tritonserver.log",
+        ready_timeout=600,
+    )
+    yield Server(handle, model_dir)
+    handle.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(server):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server.model_dir)

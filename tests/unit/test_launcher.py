@@ -1,0 +1,78 @@
+"""The launcher's lookup order and the environment it prepares (no server started)."""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from backend import launcher
+
+
+def test_tritonserver_bin_comes_first(monkeypatch, tmp_path):
+    binary = tmp_path / "tritonserver"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("TRITONSERVER_BIN", str(binary))
+    server = launcher.find_tritonserver()
+    assert server.binary == binary
+    assert server.backend_directory is None  # the binary's own backends
+
+
+def test_tritonserver_bin_must_be_executable(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITONSERVER_BIN", str(tmp_path / "missing"))
+    with pytest.raises(launcher.LaunchError, match="TRITONSERVER_BIN"):
+        launcher.find_tritonserver()
+
+
+def test_path_comes_before_the_pip_copy(monkeypatch, tmp_path):
+    binary = tmp_path / "tritonserver"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.delenv("TRITONSERVER_BIN", raising=False)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert launcher.find_tritonserver().binary == binary
+
+
+def test_pip_copy_gets_a_backend_directory_with_the_stub(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITONSERVER_BIN", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    server = launcher.find_tritonserver()
+    python = server.backend_directory / "python"
+    for name in ("triton_python_backend_stub", "libtriton_python.so", "triton_python_backend_utils.py"):
+        assert (python / name).is_file()
+    assert server.library_path[0] == sysconfig.get_config_var("LIBDIR")
+    assert server.library_path[1].endswith("nvidia_pytriton.libs")
+    assert launcher.find_tritonserver().backend_directory == server.backend_directory  # cached
+
+
+def test_environment_puts_this_python_first(monkeypatch):
+    server = launcher.Tritonserver(Path("/bin/true"), None, ["/libdir"])
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/old")
+    env = launcher.server_environment(server)
+    assert env["LD_LIBRARY_PATH"] == "/libdir:/old"
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(launcher.REPO_ROOT)
+    assert sysconfig.get_paths()["purelib"] in env["PYTHONPATH"].split(os.pathsep)
+
+
+def test_python_without_shared_libpython_is_a_clear_error(monkeypatch):
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(
+        sysconfig, "get_config_var", lambda name: 0 if name == "Py_ENABLE_SHARED" else real(name)
+    )
+    with pytest.raises(launcher.LaunchError, match="--enable-shared"):
+        launcher._shared_libpython_dir()
+
+
+def test_command_names_ports_and_log_level():
+    server = launcher.Tritonserver(Path("/opt/tritonserver/bin/tritonserver"), Path("/b"))
+    cmd = launcher.server_command(server, Path("/repo"), 1, 2, 3, log_verbose=1, log_level="warning")
+    assert "--http-port=1" in cmd and "--grpc-port=2" in cmd and "--metrics-port=3" in cmd
+    assert "--log-info=false" in cmd and "--log-warning=true" in cmd and "--log-verbose=1" in cmd
+    assert "--backend-directory=/b" in cmd
+    with pytest.raises(launcher.LaunchError, match="log level"):
+        launcher.server_command(server, Path("/repo"), 1, 2, 3, log_level="debug")
