@@ -1,0 +1,442 @@
+"""Train the default draft/target Llama pair shipped in model_repository/llm_engine/1.
+
+Everything comes from text every machine has: the Python standard library's own source files.
+Stages (``--stage`` takes a comma list or ``all``):
+
+  tokenizer  byte-level BPE (vocab 8192, <s> </s> <pad>) wrapped as a transformers fast tokenizer
+  data       the corpus tokenized to uint16 arrays: train, valid (~1% of files, picks the best
+             checkpoint) and heldout (~3% of files, evaluation only)
+  target     a ~12M-parameter Llama, next-token cross-entropy, AdamW + cosine
+  draft      a ~1.5M-parameter Llama distilled from the target: KL(target || draft) + a little CE
+  package    reload trained weights from --from and save them with the tokenizer (float16)
+  eval       held-out perplexity, draft/target agreement, acceptance and predicted speedup
+
+Tokenizer and data land in .cache/default_models and are reused when present, so the training
+stages can run on a machine whose standard library differs. Start to finish on one box:
+
+    python scripts/train_default_models.py --stage all --target-minutes 20 --draft-minutes 5
+
+or with the training on a GPU machine that has a copy of .cache/default_models (shards small
+enough to copy back, no tokenizer files), then packaged where the tokenizer was built:
+
+    python scripts/train_default_models.py --stage tokenizer,data
+    python scripts/train_default_models.py --stage target,draft --device cuda --out CKPT \
+        --weights-only --shard 15MB --target-minutes 2.5 --draft-minutes 1
+    python scripts/train_default_models.py --stage package --from CKPT
+    python scripts/eval_default_models.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from shutil import copy2
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CACHE_DIR = REPO_ROOT / ".cache" / "default_models"
+DEFAULT_OUT = REPO_ROOT / "model_repository" / "llm_engine" / "1"
+STAGES = ("tokenizer", "data", "target", "draft", "package", "eval")
+ALL_STAGES = ("tokenizer", "data", "target", "draft", "eval")  # package only runs when asked
+
+VOCAB_SIZE = 8192
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+HELDOUT_FRACTION = 0.03
+VALID_FRACTION = 0.01
+SPLITS = ("train", "valid", "heldout")
+# Plain-text role markers: no extra special tokens, so any client can type them.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+TARGET_SHAPE = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
+                    num_key_value_heads=2, intermediate_size=1024)
+DRAFT_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=384)
+
+
+# ----------------------------------------------------------------------------- corpus
+
+def stdlib_files() -> list[Path]:
+    """Every ``*.py`` under the standard library, site-packages excluded, sorted by relative path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py")
+             if "site-packages" not in p.relative_to(root).parts and p.is_file()]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def split_corpus(seed: int) -> tuple[dict[str, list[str]], dict]:
+    """Read the standard library and deal its files, seeded, into train, valid (~1%, picks the
+    best checkpoint while training) and heldout (~3%, evaluation only). Returns (splits, meta)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, names = [], []
+    for path in stdlib_files():
+        try:
+            texts.append(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:  # a few test fixtures are deliberately not UTF-8
+            continue
+        names.append(path.relative_to(root).as_posix())
+    order = random.Random(seed).sample(range(len(texts)), len(texts))
+    num_heldout = max(1, round(HELDOUT_FRACTION * len(texts)))
+    num_valid = max(1, round(VALID_FRACTION * len(texts)))
+    split_of = {i: "train" for i in order}
+    split_of.update({i: "heldout" for i in order[:num_heldout]})
+    split_of.update({i: "valid" for i in order[num_heldout:num_heldout + num_valid]})
+    splits = {name: [t for i, t in enumerate(texts) if split_of[i] == name] for name in SPLITS}
+    meta = dict(stdlib=str(root), python=sys.version.split()[0], seed=seed, num_files=len(texts),
+                **{f"{name}_files": sorted(names[i] for i in range(len(texts)) if split_of[i] == name)
+                   for name in ("valid", "heldout")})
+    return splits, meta
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def train_tokenizer(train_texts: list[str], out_dir: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=2, show_progress=True,
+                                  special_tokens=[BOS, EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(train_texts, trainer=trainer, length=len(train_texts))
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                     pad_token=PAD, clean_up_tokenization_spaces=False,
+                                     model_max_length=2048)
+    hf_tok.chat_template = CHAT_TEMPLATE
+    save_tokenizer(hf_tok, out_dir)
+    return hf_tok
+
+
+def save_tokenizer(tokenizer, out_dir: Path) -> None:
+    """Save with the chat template inside tokenizer_config.json and a class name that transformers
+    4.x and 5.x both resolve, so older readers get the template and the fast tokenizer too."""
+    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # how it was loaded, not what it is
+        config.pop(key, None)
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def load_tokenizer(path: Path = CACHE_DIR / "tokenizer"):
+    from transformers import AutoTokenizer
+
+    if not (path / "tokenizer.json").exists():
+        sys.exit(f"no tokenizer at {path}: run --stage tokenizer first")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def tokenize(tokenizer, texts: list[str]) -> np.ndarray:
+    """Concatenate ``<s> file </s>`` for every file into one uint16 array."""
+    ids = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return np.concatenate([np.array([bos, *enc.ids, eos], dtype=np.uint16) for enc in ids])
+
+
+def load_split(name: str) -> np.ndarray:
+    path = CACHE_DIR / f"{name}.npy"
+    if not path.exists():
+        sys.exit(f"no tokenized corpus at {path}: run --stage data first")
+    return np.load(path)
+
+
+# ----------------------------------------------------------------------------- models
+
+def llama_config(shape: dict, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=2048, rope_theta=10000.0,
+                       tie_word_embeddings=True, rms_norm_eps=1e-5, hidden_act="silu",
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, **shape)
+
+
+def new_model(shape: dict, tokenizer, seed: int):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(shape, tokenizer))
+
+
+def load_model(path: Path, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+
+
+def save_model(model, out_dir: Path, tokenizer, weights_only: bool, shard: str) -> None:
+    """Save in float16. ``weights_only`` keeps config.json and the safetensors files alone."""
+    from transformers import GenerationConfig
+
+    model = model.to("cpu", torch.float16)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not weights_only:
+        model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=shard)
+        save_tokenizer(tokenizer, out_dir)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=shard)
+        for f in Path(tmp).iterdir():
+            if f.name == "config.json" or "safetensors" in f.name:
+                copy2(f, out_dir / f.name)
+
+
+def num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- training
+
+def random_batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, device: str):
+    """Endless random windows of seq_len + 1 tokens: inputs [B, T] and next-token labels [B, T]."""
+    rng = np.random.default_rng(seed)
+    offsets = np.arange(seq_len + 1)
+    while True:
+        starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+        window = torch.from_numpy(tokens[starts[:, None] + offsets].astype(np.int64))
+        window = window.to(device, non_blocking=True)
+        yield window[:, :-1], window[:, 1:]
+
+
+def lr_at(progress: float, peak: float, warmup: float) -> float:
+    """Linear warm-up over the first ``warmup`` fraction, then cosine down to 10% of peak."""
+    if progress < warmup:
+        return peak * progress / warmup
+    t = min(1.0, (progress - warmup) / (1.0 - warmup))
+    return peak * (0.1 + 0.45 * (1.0 + math.cos(math.pi * t)))
+
+
+def fixed_windows(tokens: np.ndarray, num_windows: int, seq_len: int) -> torch.Tensor:
+    """Evenly spaced, non-overlapping windows of seq_len + 1 tokens. Returns [N, seq_len + 1]."""
+    n = min(num_windows, len(tokens) // (seq_len + 1))
+    starts = np.linspace(0, len(tokens) - seq_len - 1, n).astype(np.int64)
+    return torch.from_numpy(tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64))
+
+
+def train_loop(model, loss_fn, batches, valid: torch.Tensor, args, lr: float, seconds: float,
+               steps: int | None, name: str) -> dict:
+    """AdamW on ``loss_fn(model, inputs, labels)`` for ``steps`` steps, or until ``seconds`` pass.
+
+    Every ``--valid-every`` steps the same loss is measured on the ``valid`` windows
+    [N, seq_len + 1]; the model ends with the weights that scored best there.
+    """
+    device = args.device
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), fused=device == "cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+
+    @torch.no_grad()
+    def validate() -> float:
+        model.eval()
+        with autocast:
+            losses = [loss_fn(model, w[:, :-1], w[:, 1:])[0].item()
+                      for w in valid.to(device).split(args.batch_size)]
+        model.train()
+        return sum(losses) / len(losses)
+
+    best = dict(loss=math.inf, step=0, state=None)
+
+    def keep_if_best(step: int) -> None:
+        loss = validate()
+        tqdm.write(f"{name} step {step} valid loss {loss:.4f}")
+        if loss < best["loss"]:
+            state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            best.update(loss=loss, step=step, state=state)
+
+    model.train()
+    start, step, tokens_seen = time.perf_counter(), 0, 0
+    bar = tqdm(total=steps or int(seconds), desc=name, unit="step" if steps else "s",
+               mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    while True:
+        progress = step / steps if steps else (time.perf_counter() - start) / seconds
+        if progress >= 1.0:
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(progress, lr, args.warmup)
+        inputs, labels = next(batches)
+        with autocast:
+            loss, parts = loss_fn(model, inputs, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens_seen += inputs.numel()
+        bar.update(1 if steps else int(time.perf_counter() - start) - bar.n)
+        if step % args.log_every == 0 or step == 1:
+            shown = " ".join(f"{k} {v.item():.4f}" for k, v in parts.items())
+            tqdm.write(f"{name} step {step} {shown} lr {opt.param_groups[0]['lr']:.2e} "
+                       f"tokens {tokens_seen:,} elapsed {time.perf_counter() - start:.0f}s")
+        if step % args.valid_every == 0:
+            keep_if_best(step)
+    bar.close()
+    if step % args.valid_every:
+        keep_if_best(step)
+    model.load_state_dict(best["state"])
+    summary = dict(steps=step, tokens=tokens_seen,
+                   minutes=round((time.perf_counter() - start) / 60, 2), device=device,
+                   best_valid_loss=round(best["loss"], 4), best_step=best["step"])
+    print(f"{name} done: {json.dumps(summary)}")
+    return summary
+
+
+def target_loss(model, inputs, labels):
+    logits = model(input_ids=inputs).logits  # [B, T, V]
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+    return ce, {"ce": ce.detach()}
+
+
+def distill_loss(teacher, ce_weight: float):
+    """KL(target || draft) over next-token distributions, plus ``ce_weight`` x cross-entropy."""
+    def loss_fn(model, inputs, labels):
+        with torch.no_grad():
+            teacher_logp = F.log_softmax(teacher(input_ids=inputs).logits.float(), -1).flatten(0, 1)
+        logits = model(input_ids=inputs).logits.float().flatten(0, 1)  # [B*T, V]
+        logp = F.log_softmax(logits, -1)
+        kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="batchmean")
+        ce = F.nll_loss(logp, labels.flatten())
+        return kl + ce_weight * ce, {"kl": kl.detach(), "ce": ce.detach()}
+    return loss_fn
+
+
+# ----------------------------------------------------------------------------- stages
+
+def stage_tokenizer(args) -> None:
+    splits, meta = split_corpus(args.seed)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(splits["train"], CACHE_DIR / "tokenizer")
+    print(f"tokenizer: {len(tok)} tokens from {meta['num_files']} files of Python {meta['python']}")
+
+
+def stage_data(args) -> None:
+    splits, meta = split_corpus(args.seed)
+    tok = load_tokenizer()
+    for name, texts in splits.items():
+        tokens = tokenize(tok, texts)
+        np.save(CACHE_DIR / f"{name}.npy", tokens)
+        meta[f"{name}_tokens"] = int(len(tokens))
+        meta[f"{name}_bytes"] = sum(len(t.encode()) for t in texts)
+    (CACHE_DIR / "corpus.json").write_text(json.dumps(meta, indent=1))
+    print(f"data: {meta['train_tokens']:,} train, {meta['valid_tokens']:,} valid, "
+          f"{meta['heldout_tokens']:,} held-out tokens "
+          f"({meta['train_bytes'] / meta['train_tokens']:.2f} bytes/token)")
+
+
+def stage_target(args) -> None:
+    tok = load_tokenizer()
+    model = new_model(TARGET_SHAPE, tok, args.seed).to(args.device)
+    print(f"target: {num_params(model):,} parameters on {args.device}")
+    batches = random_batches(load_split("train"), args.batch_size, args.seq_len, args.seed, args.device)
+    valid = fixed_windows(load_split("valid"), args.valid_windows, args.seq_len)
+    train_loop(model, target_loss, batches, valid, args, args.target_lr,
+               args.target_minutes * 60, args.target_steps, "target")
+    save_model(model, args.out / "target", tok, args.weights_only, args.shard)
+
+
+def stage_draft(args) -> None:
+    tok = load_tokenizer()
+    teacher_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    teacher = load_model(args.out / "target", args.device, teacher_dtype).eval()
+    model = new_model(DRAFT_SHAPE, tok, args.seed + 1).to(args.device)
+    print(f"draft: {num_params(model):,} parameters on {args.device}")
+    batches = random_batches(load_split("train"), args.batch_size, args.seq_len, args.seed + 1,
+                             args.device)
+    valid = fixed_windows(load_split("valid"), args.valid_windows, args.seq_len)
+    train_loop(model, distill_loss(teacher, args.ce_weight), batches, valid, args, args.draft_lr,
+               args.draft_minutes * 60, args.draft_steps, "draft")
+    save_model(model, args.out / "draft", tok, args.weights_only, args.shard)
+
+
+def stage_package(args) -> None:
+    """Re-save checkpoints from ``--from`` (e.g. trained elsewhere) as complete model folders."""
+    tok = load_tokenizer()
+    for name in ("target", "draft"):
+        model = load_model(args.from_dir / name, "cpu", torch.float16)
+        save_model(model, args.out / name, tok, weights_only=False, shard="100MB")
+        size = sum(f.stat().st_size for f in (args.out / name).glob("*.safetensors"))
+        print(f"{name}: {num_params(model):,} parameters, {size / 1e6:.1f} MB -> {args.out / name}")
+
+
+def stage_eval(args) -> None:
+    from eval_default_models import evaluate
+
+    print(evaluate(args.out, load_split("heldout"), args.eval_windows, args.seq_len, args.device))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", default="all",
+                   help=f"comma list of {', '.join(STAGES)}, or all ({', '.join(ALL_STAGES)})")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cuda or cpu")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="holds target/ and draft/")
+    p.add_argument("--from", dest="from_dir", type=Path, help="package: folder with target/ and draft/")
+    p.add_argument("--weights-only", action="store_true", help="save only config.json + safetensors")
+    p.add_argument("--shard", default="100MB", help="max safetensors shard size")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--target-minutes", type=float, default=20.0)
+    p.add_argument("--target-steps", type=int, help="fixed step count (overrides minutes)")
+    p.add_argument("--target-lr", type=float, default=2e-3)
+    p.add_argument("--draft-minutes", type=float, default=5.0)
+    p.add_argument("--draft-steps", type=int, help="fixed step count (overrides minutes)")
+    p.add_argument("--draft-lr", type=float, default=3e-3)
+    p.add_argument("--ce-weight", type=float, default=0.1, help="draft: weight of plain CE next to KL")
+    p.add_argument("--warmup", type=float, default=0.03, help="fraction of the budget")
+    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--valid-every", type=int, default=250, help="steps between validations")
+    p.add_argument("--valid-windows", type=int, default=32, help="validation windows of --seq-len")
+    p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of --seq-len")
+    args = p.parse_args(argv)
+    args.stages = ALL_STAGES if args.stage == "all" else tuple(args.stage.split(","))
+    unknown = set(args.stages) - set(STAGES)
+    if unknown:
+        p.error(f"unknown stage(s) {sorted(unknown)}; choose from {STAGES}")
+    if "package" in args.stages and args.from_dir is None:
+        p.error("--stage package needs --from")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    for stage in STAGES:
+        if stage in args.stages:
+            globals()[f"stage_{stage}"](args)
+
+
+if __name__ == "__main__":
+    main()
