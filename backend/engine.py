@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -24,7 +25,11 @@ from backend.model_loader import TORCH_DTYPES, load_hf_config, load_model
 from backend.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
-from backend.sampler import Sampler, SamplingRow
+from backend.draft_proposer import DraftProposer
+from backend.ngram_proposer import NgramProposer
+from backend.rejection_sampler import verify
+from backend.sampler import Sampler, SamplingRow, apply_penalties, compute_logprobs, probs_from_logits, sample_from_probs
+from backend.spec_controller import SpecController
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
 
@@ -68,7 +73,10 @@ class LLMEngine:
         self.model = model
         self.eos_token_ids = self._eos_token_ids(config.model)
         self.attention = make_attention_backend(config.attention_backend, self.device)
+        self.draft_model = self._load_draft() if config.speculative_method == "draft" else None
         bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
+        if self.draft_model is not None:
+            bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.dtype)
         self.num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(bytes_per_block)
         if self.num_blocks < 2:
             raise ValidationError("kv_cache_memory_bytes", f"room for {self.num_blocks} KV blocks; need >= 2")
@@ -76,6 +84,19 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
+        self.proposer: DraftProposer | NgramProposer | None = None
+        if self.draft_model is not None:
+            draft_runner = ModelRunner(
+                self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype
+            )
+            self.proposer = DraftProposer(draft_runner, self.sampler.generator)
+        elif config.speculative_method == "ngram":
+            self.proposer = NgramProposer()
+        self.spec = SpecController(config.num_speculative_tokens, config.adaptive_speculation)
+        self.spec_draft_tokens_total = 0
+        self.spec_accepted_tokens_total = 0
+        self.spec_accepted_per_position = [0] * config.num_speculative_tokens  # accepted at draft position i
+        self.spec_proposed_per_position = [0] * config.num_speculative_tokens
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_tokens_emitted: dict[str, int] = {}  # request id -> output tokens already handed out
@@ -96,6 +117,27 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def _load_draft(self):
+        draft_dir = Path(self.config.draft_model)
+        if not draft_dir.is_dir():
+            raise ValidationError("draft_model", f"not a directory: {draft_dir}")
+        draft, draft_config = load_model(draft_dir, self.config.dtype, self.device, self.max_model_len)
+        if draft.args.vocab_size != self.model.args.vocab_size:
+            raise ValidationError(
+                "draft_model",
+                f"vocabulary size {draft.args.vocab_size} differs from the target's {self.model.args.vocab_size}",
+            )
+        if any(f.name.startswith("tokenizer") for f in draft_dir.iterdir()):
+            draft_tok = AutoTokenizer.from_pretrained(str(draft_dir), local_files_only=True)
+            if draft_tok.get_vocab() != self.tokenizer.get_vocab():
+                raise ValidationError("draft_model", "its tokenizer differs from the target's")
+        if draft_config.max_position_embeddings < self.max_model_len:
+            raise ValidationError(
+                "draft_model",
+                f"context {draft_config.max_position_embeddings} is shorter than max_model_len {self.max_model_len}",
+            )
+        return draft
 
     def _num_blocks_for_budget(self, bytes_per_block: int) -> int:
         if self.device.type == "cuda":
@@ -163,12 +205,66 @@ class LLMEngine:
 
     # -- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._plan_speculation()
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
+        draft_probs = self._propose(batch)
+        started = time.perf_counter()
         logits = self.runner.run(self.step_input(batch))
-        return self.update(batch, logits)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.spec.target_cost.add(batch.total_tokens, time.perf_counter() - started)
+        return self.update(batch, logits, draft_probs)
+
+    # -- speculation ------------------------------------------------------------------------------
+    def _plan_speculation(self) -> None:
+        """Choose k per decoding request and reserve room for its draft tokens."""
+        if self.proposer is None:
+            return
+        candidates = [
+            r for r in self.scheduler.running
+            if r.params.speculative and r.num_computed_tokens == r.num_tokens - 1
+        ]
+        for r, k in zip(candidates, self.spec.plan(candidates)):
+            # never verify past max_tokens or the context
+            k = min(k, r.params.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
+            if k <= 0:
+                continue
+            if isinstance(self.proposer, NgramProposer):
+                r.spec_token_ids = self.proposer.lookup(r.all_token_ids, k)
+                r.num_lookahead_tokens = len(r.spec_token_ids)
+            else:
+                r.num_lookahead_tokens = k
+
+    def _propose(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
+        """Fit the reservations to what was scheduled, then run the draft model."""
+        to_draft, ks = [], []
+        for r, n in zip(batch.requests, batch.num_scheduled_tokens):
+            if not r.num_lookahead_tokens:
+                continue
+            k = n - (r.num_tokens - r.num_computed_tokens)  # the budget may have cut it short
+            r.num_lookahead_tokens = max(k, 0)
+            r.spec_token_ids = r.spec_token_ids[: r.num_lookahead_tokens]
+            if k > 0 and isinstance(self.proposer, DraftProposer):
+                to_draft.append(r)
+                ks.append(k)
+        for r in self.scheduler.running:  # reserved but not scheduled this step
+            if r.num_lookahead_tokens and r not in batch.requests:
+                r.num_lookahead_tokens, r.spec_token_ids = 0, []
+        if not to_draft:
+            return {}
+        started = time.perf_counter()
+        proposals = self.proposer.propose(to_draft, ks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.spec.draft_cost.add(len(to_draft), (time.perf_counter() - started) / max(ks))
+        probs = {}
+        for r, (tokens, q) in zip(to_draft, proposals):
+            r.spec_token_ids = tokens
+            probs[r.request_id] = q
+        return probs
 
     @staticmethod
     def step_input(batch: ScheduledBatch) -> StepInput:
@@ -182,21 +278,65 @@ class LLMEngine:
             num_logits.append(start + n - request.num_tokens + 1 if start + n >= request.num_tokens else 0)
         return StepInput(token_ids, starts, tables, num_logits)
 
-    def update(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
+    def update(
+        self, batch: ScheduledBatch, logits: torch.Tensor, draft_probs: dict[str, torch.Tensor] | None = None
+    ) -> list[RequestOutput]:
+        """Sample (or verify draft tokens) where logits were computed, then advance requests."""
+        draft_probs = draft_probs or {}
         sampled = [r for r, n in zip(batch.requests, batch.num_scheduled_tokens) if r.num_computed_tokens + n >= r.num_tokens]
         for request, n in zip(batch.requests, batch.num_scheduled_tokens):
             request.num_computed_tokens += n
-        rows = [SamplingRow(r) for r in sampled]
-        tokens, logprobs = self.sampler(logits, rows) if rows else ([], [])
-        outputs = []
-        for request, token, lp in zip(sampled, tokens, logprobs):
-            self._append_tokens(request, [token], [lp])
-            if request.is_finished:
-                self.scheduler.finish(request, request.status)
+        rows: list[SamplingRow] = []  # one per logits row: a request's k + 1 positions in order
+        for r in sampled:
+            rows += [SamplingRow(r, r.spec_token_ids[:i]) for i in range(len(r.spec_token_ids) + 1)]
+        if not rows:
+            return []
+        probs = probs_from_logits(apply_penalties(logits.clone(), rows), rows)
+        plain = [i for i, row in enumerate(rows) if not row.request.spec_token_ids]
+        chosen = torch.zeros(len(rows), dtype=torch.long, device=logits.device)  # token per row
+        if plain:
+            chosen[plain] = sample_from_probs(probs[plain], [rows[i] for i in plain], self.sampler.generator)
+        new_tokens: dict[str, list[int]] = {}
+        row = 0
+        for r in sampled:
+            k = len(r.spec_token_ids)
+            if k == 0:
+                new_tokens[r.request_id] = [int(chosen[row])]
             else:
-                self.block_manager.cache_full_blocks(request)
-            outputs.append(self._output(request))
+                verdict = verify(
+                    r.spec_token_ids, draft_probs.get(r.request_id), probs[row : row + k + 1],
+                    rows[row : row + k + 1], self.sampler.generator,
+                )
+                self._record_verification(r, k, verdict.num_accepted)
+                new_tokens[r.request_id] = verdict.tokens
+                chosen[row : row + len(verdict.tokens)] = torch.tensor(verdict.tokens)
+                r.num_computed_tokens -= k - verdict.num_accepted  # roll back the rejected positions
+                r.num_draft_computed_tokens = min(r.num_draft_computed_tokens, r.num_computed_tokens)
+            row += k + 1
+        logprobs = compute_logprobs(logits, chosen, rows)
+        outputs = []
+        row = 0
+        for r in sampled:
+            k = len(r.spec_token_ids)
+            tokens = new_tokens[r.request_id]
+            r.spec_token_ids, r.num_lookahead_tokens = [], 0
+            self._append_tokens(r, tokens, logprobs[row : row + len(tokens)])
+            row += k + 1
+            if r.is_finished:
+                self.scheduler.finish(r, r.status)
+            else:
+                self.block_manager.trim(r, r.num_tokens)  # no block stays for rejected positions
+                self.block_manager.cache_full_blocks(r)
+            outputs.append(self._output(r))
         return outputs
+
+    def _record_verification(self, request: Request, k: int, num_accepted: int) -> None:
+        self.spec.observe(request, k, num_accepted)
+        self.spec_draft_tokens_total += k
+        self.spec_accepted_tokens_total += num_accepted
+        for i in range(k):
+            self.spec_proposed_per_position[i] += 1
+            self.spec_accepted_per_position[i] += i < num_accepted
 
     def _append_tokens(self, request: Request, tokens: list[int], logprobs: list[dict | None]) -> None:
         """Append tokens one at a time, stopping exactly where the request finishes."""
@@ -258,6 +398,6 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens_total=bm.prefix_hit_tokens,
             prefix_cache_query_tokens_total=bm.prefix_query_tokens,
-            spec_draft_tokens_total=0,
-            spec_accepted_tokens_total=0,
+            spec_draft_tokens_total=self.spec_draft_tokens_total,
+            spec_accepted_tokens_total=self.spec_accepted_tokens_total,
         )

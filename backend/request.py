@@ -44,6 +44,8 @@ class Request:
     block_table: list[int] = field(default_factory=list)  # logical block -> physical block id
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
+    num_lookahead_tokens: int = 0  # draft tokens the scheduler reserves room for this step
+    num_draft_computed_tokens: int = 0  # tokens whose K/V are in the draft model's pool
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     # timestamps (time.monotonic())
     arrival_time: float = field(default_factory=time.monotonic)
@@ -75,7 +77,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return self.num_tokens + len(self.spec_token_ids)
+        return self.num_tokens + self.num_lookahead_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

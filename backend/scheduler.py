@@ -92,6 +92,8 @@ class Scheduler:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_lookahead_tokens = 0
+        request.num_draft_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -1,0 +1,49 @@
+"""Draft-model proposer: a small model with its own KV pool under the target's block tables.
+
+The draft sees the same positions as the target, so a request's block table serves both pools.
+`request.num_draft_computed_tokens` says how far the draft's KV is valid: a new or preempted
+request starts at 0, the first draft forward of a step catches up on everything not yet seen
+(prompt, last sampled tokens), then k - 1 single-token forwards follow. After verification the
+draft's KV is valid up to the target's num_computed_tokens at most.
+"""
+from __future__ import annotations
+
+import torch
+
+from backend.model_runner import ModelRunner, StepInput
+from backend.request import Request
+from backend.sampler import SamplingRow, apply_penalties, probs_from_logits, sample_from_probs
+
+
+class DraftProposer:
+    def __init__(self, runner: ModelRunner, generator: torch.Generator):
+        self.runner = runner
+        self.generator = generator
+
+    def propose(self, requests: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+        """k_r draft tokens per request and the draft distributions they were drawn from."""
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        for j in range(max(ks)):
+            active = [i for i, k in enumerate(ks) if k > j]
+            step = StepInput([], [], [], [])
+            for i in active:
+                r = requests[i]
+                if j == 0:
+                    start = min(r.num_draft_computed_tokens, r.num_tokens - 1)
+                    step.token_ids.append(r.all_token_ids[start:])
+                else:
+                    start = r.num_tokens - 1 + j
+                    step.token_ids.append([tokens[i][-1]])
+                step.start_positions.append(start)
+                step.block_tables.append(r.block_table)
+                step.num_logits.append(1)
+                r.num_draft_computed_tokens = start + len(step.token_ids[-1])
+            logits = self.runner.run(step)
+            rows = [SamplingRow(requests[i], tokens[i][:]) for i in active]
+            q = probs_from_logits(apply_penalties(logits, rows), rows)
+            new = sample_from_probs(q, rows, self.generator).tolist()
+            for row_idx, i in enumerate(active):
+                tokens[i].append(new[row_idx])
+                probs[i].append(q[row_idx])
+        return [(t, torch.stack(p)) for t, p in zip(tokens, probs)]

@@ -1,0 +1,169 @@
+"""Speculative decoding: greedy output identical to plain decoding, sampling lossless,
+blocks accounted for after rejections, aborts and preemptions."""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.rejection_sampler import verify
+from backend.request import Request
+from backend.sampler import SamplingRow
+from backend.sampling_params import SamplingParams
+from tests.conftest import write_tiny_model
+from tests.model.test_engine_vs_hf import mixed_prompts, run_engine
+
+
+@pytest.fixture(scope="module")
+def bad_draft(tmp_path_factory):
+    """A draft that is bad on purpose: random weights, another shape."""
+    return write_tiny_model(tmp_path_factory.mktemp("bad_draft"), "llama", seed=7, hidden_size=32,
+                            intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+def spec_engine(model, draft=None, method="draft", **knobs) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(model), speculative_method=method, draft_model=str(draft) if draft else None, **knobs
+    ))
+
+
+@pytest.mark.parametrize(
+    "which,knobs",
+    [
+        ("bad", {}),
+        ("perfect", {}),
+        ("ngram", {}),
+        ("bad", {"num_kv_blocks": 24, "block_size": 8}),  # preemption forced
+        ("perfect", {"max_num_batched_tokens": 30, "num_speculative_tokens": 6}),  # budget cuts k
+    ],
+)
+def test_greedy_identical_to_plain_decoding(which, knobs, tiny_llama, bad_draft):
+    prompts, max_tokens = mixed_prompts(32, seed=3)
+    prompts = [p + p[:8] * 2 for p in prompts]  # some repetition for the n-gram proposer
+    plain = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama))), prompts, max_tokens)
+    draft = {"bad": bad_draft, "perfect": tiny_llama, "ngram": None}[which]
+    engine = spec_engine(tiny_llama, draft, "ngram" if which == "ngram" else "draft",
+                         adaptive_speculation=False, **knobs)
+    assert run_engine(engine, prompts, max_tokens) == plain  # also checks free == total blocks
+    stats = engine.stats()
+    assert stats.spec_draft_tokens_total > 0
+    if which == "perfect":  # the target as its own draft: every token accepted
+        assert stats.spec_accepted_tokens_total == stats.spec_draft_tokens_total
+    if which == "bad":
+        assert stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
+    if "num_kv_blocks" in knobs:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_abort_mid_speculation_frees_blocks(tiny_llama, bad_draft):
+    engine = spec_engine(tiny_llama, bad_draft, block_size=4, adaptive_speculation=False)
+    ids = [engine.add_request([5 + i] * (10 + i), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+           for i in range(4)]
+    for _ in range(4):
+        engine.step()
+    for rid in ids[:2]:
+        engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_vocab_mismatch_is_a_startup_error(tiny_llama, tmp_path):
+    other = write_tiny_model(tmp_path / "other_vocab", "llama", vocab_size=300)
+    with pytest.raises(ValueError, match="draft_model: vocabulary size 300"):
+        spec_engine(tiny_llama, other)
+
+
+# -- lossless sampling: a distribution test with a sampler that must fail it when biased ----------
+
+VOCAB = 6
+_g = torch.Generator().manual_seed(0)
+_BASE = torch.rand(VOCAB + 1, VOCAB, generator=_g) ** 3
+P_TABLE = _BASE / _BASE.sum(-1, keepdim=True)  # toy target p(next | prev); prev = VOCAB at the start
+Q_TABLE = torch.roll(P_TABLE, 1, dims=1) * 0.5 + 0.5 / VOCAB  # a poor but valid draft
+
+
+def _lossless(d, q, p, rows, gen) -> list[int]:
+    return verify(d, q, p, rows, gen).tokens
+
+
+def _accept_all(d, q, p, rows, gen) -> list[int]:
+    return d  # a wrong verifier: keeps every draft token
+
+
+def _joint_first_two(rule, trials: int, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Histogram of the first two generated tokens over seeded runs of one speculative step
+    (k = 2 draft tokens from q); when the step yields one token, the second is sampled from p
+    as the next step would. Returns observed counts and the target's expected counts."""
+    counts = torch.zeros(VOCAB * VOCAB)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(trials):
+        req = Request("r", [0], SamplingParams(temperature=1.0, seed=t))
+        d, qs, prev = [], [], VOCAB
+        for _ in range(k):
+            q = Q_TABLE[prev]
+            d.append(int(torch.multinomial(q, 1, generator=req.generator)))
+            qs.append(q)
+            prev = d[-1]
+        p = torch.stack([P_TABLE[c] for c in [VOCAB] + d])  # [k + 1, vocab]
+        tokens = rule(d, torch.stack(qs), p, [SamplingRow(req) for _ in range(k + 1)], gen)
+        if len(tokens) == 1:
+            tokens.append(int(torch.multinomial(P_TABLE[tokens[0]], 1, generator=req.generator)))
+        counts[tokens[0] * VOCAB + tokens[1]] += 1
+    expected = (P_TABLE[VOCAB][:, None] * P_TABLE[:VOCAB]).flatten() * trials
+    return counts, expected
+
+
+def _chi_square_p(rule, trials: int = 6000) -> float:
+    counts, expected = _joint_first_two(rule, trials)
+    keep = expected > 5
+    obs, exp = counts[keep], expected[keep]
+    return float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
+
+
+def test_rejection_sampling_is_lossless_and_a_biased_rule_fails():
+    assert _chi_square_p(_lossless) > 0.001
+    assert _chi_square_p(_accept_all) < 1e-6
+
+
+def test_engine_sampling_matches_target_distribution(tmp_path):
+    """End to end: with a poor draft, the 2nd and 3rd generated tokens (the ones speculation
+    produces) follow the target's exact marginals, computed from HF by enumeration."""
+    from transformers import AutoModelForCausalLM
+
+    vocab, trials, prompt = 8, 800, [3, 5, 4]
+    sharp = dict(vocab_size=vocab, initializer_range=0.6)  # peaked, unlike a near-uniform random init
+    target = write_tiny_model(tmp_path / "t", "llama", seed=11, **sharp)
+    draft = write_tiny_model(tmp_path / "d", "llama", seed=12, hidden_size=32, num_hidden_layers=1, **sharp)
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.softmax(hf(torch.tensor([ids])).logits[0, -1], -1)
+
+    p1 = next_probs(prompt)
+    p2 = torch.zeros(vocab)
+    p3 = torch.zeros(vocab)
+    for a in range(vocab):
+        pa = next_probs(prompt + [a])
+        p2 += p1[a] * pa
+        for b in range(vocab):
+            p3 += p1[a] * pa[b] * next_probs(prompt + [a, b])
+
+    engine = spec_engine(target, draft, adaptive_speculation=False, num_speculative_tokens=2)
+    for t in range(trials):
+        engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=t, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
+    for position, expected in ((1, p2), (2, p3)):
+        counts = torch.bincount(torch.tensor([t[position] for t in tokens.values()]), minlength=vocab).float()
+        keep = expected * trials > 5
+        exp = expected[keep] * trials
+        obs = counts[keep]
+        assert chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue > 0.001
