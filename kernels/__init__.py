@@ -1,1 +1,10 @@
-"""Triton-language kernels, each beside its torch reference with the same signature."""
+"""Triton-language kernels, each beside its torch reference with the same signature.
+
+    kv_cache.py                 store_kvcache_ref; store_kvcache -> kv_cache_triton.py
+    paged_attention.py          paged_attention_ref; paged_attention -> decode or extend kernel
+    paged_attention_decode.py   one query per request: GQA groups, split-KV + combine
+    paged_attention_extend.py   ragged causal queries: prefill, chunks, prefix hits, verification
+    launch.py                   argument checks and tile choices shared by the wrappers
+
+The reference modules import Triton only when a kernel is first called.
+"""

@@ -71,3 +71,34 @@ def paged_attention_ref(
         )
         out[start : start + n] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cu_seqlens_q: torch.Tensor,  # [batch + 1] int32, prefix sums of query lengths
+    seq_lens: torch.Tensor,  # [batch] int32, context length incl. the new tokens
+    block_tables: torch.Tensor,  # [batch, max_blocks] int32
+    scale: float,
+    max_seqlen_q: int | None = None,  # optional host-side hints, avoid a device sync
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Triton kernels, same contract as `paged_attention_ref`. A batch where every request has
+    exactly one query goes to the decode kernel (split-KV when few programs meet long contexts),
+    anything else to the extend kernel. Triton is imported here, on first use, so the reference
+    stays importable where Triton is not installed."""
+    from kernels.paged_attention_decode import paged_decode_attention
+    from kernels.paged_attention_extend import paged_extend_attention
+
+    batch = seq_lens.shape[0]
+    if max_seqlen_q is None and batch > 0:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    # batch queries, none longer than 1: every request has exactly one
+    if batch > 0 and q.shape[0] == batch and max_seqlen_q == 1:
+        return paged_decode_attention(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k
+        )
+    return paged_extend_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k
+    )
