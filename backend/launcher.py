@@ -78,7 +78,7 @@ class ServerHandle:
             return ""
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
-    def stop(self, timeout: float = 30.0) -> int:
+    def stop(self, timeout: float = 60.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -196,6 +196,7 @@ def server_command(
     metrics_port: int,
     log_verbose: int = 0,
     log_level: str = "info",
+    exit_timeout: int = 30,
 ) -> list[str]:
     levels = ("error", "warning", "info")
     if log_level not in levels:
@@ -211,6 +212,7 @@ def server_command(
         "--allow-gpu-metrics=false",
         "--disable-auto-complete-config",  # the configs are complete; skips a stub start per model
         f"--log-verbose={log_verbose}",
+        f"--exit-timeout-secs={exit_timeout}",  # on shutdown, wait this long for requests in flight
         *(f"--log-{level}={str(level in enabled).lower()}" for level in levels),
     ]
     if server.backend_directory is not None:
@@ -227,6 +229,7 @@ def start_server(
     log_level: str = "info",
     log_file: str | Path | IO | None = None,
     ready_timeout: float = 300.0,
+    exit_timeout: int = 30,
     extra_env: dict[str, str] | None = None,
 ) -> ServerHandle:
     """Start tritonserver and wait until /v2/health/ready answers 200.
@@ -239,7 +242,8 @@ def start_server(
         raise LaunchError(f"model repository not found: {model_repository}")
     server = find_tritonserver()
     cmd = server_command(
-        server, model_repository, http_port, grpc_port, metrics_port, log_verbose, log_level
+        server, model_repository, http_port, grpc_port, metrics_port, log_verbose, log_level,
+        exit_timeout,
     )
     env = server_environment(server) | (extra_env or {})
     log_path = None
@@ -286,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbosity (0: off)")
     parser.add_argument("--log-level", choices=("error", "warning", "info"), default="info")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
+    parser.add_argument(
+        "--exit-timeout", type=int, default=30,
+        help="seconds to let requests in flight finish on Ctrl-C or SIGTERM",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -297,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             args.log_verbose,
             args.log_level,
             ready_timeout=args.ready_timeout,
+            exit_timeout=args.exit_timeout,
         )
     except LaunchError as e:
         print(f"specserve-serve: {e}", file=sys.stderr)

@@ -50,7 +50,8 @@ class EngineMetrics:
             field: self._family(name, help, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
             for field, (name, help) in COUNTERS.items()
         }
-        self._reported = {field: 0 for field in COUNTERS}
+        self._reported = {field: 0 for field in COUNTERS}  # counter totals already added
+        self._gauge_values: dict[str, float] = {}  # each update is a round trip to the server
         requests = self._family(
             "specserve_request_success_total", "Requests finished, by finish reason",
             pb_utils.MetricFamily.COUNTER,
@@ -80,7 +81,10 @@ class EngineMetrics:
     def refresh(self, stats) -> None:
         """Copy an EngineStats snapshot into the gauges and counters."""
         for field, gauge in self.gauges.items():
-            gauge.set(float(getattr(stats, field)))
+            value = float(getattr(stats, field))
+            if self._gauge_values.get(field) != value:
+                gauge.set(value)
+                self._gauge_values[field] = value
         for field, counter in self.counters.items():
             total = getattr(stats, field)
             if total > self._reported[field]:

@@ -43,7 +43,9 @@ from backend.outputs import RequestOutput  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
 
 PATH_PARAMETERS = ("model", "tokenizer", "draft_model")  # relative to this model's directory
-POLL_INTERVAL_S = 0.02  # how often the sender checks for cancelled requests and refreshes gauges
+# How often the sender checks every request for cancellation (a round trip to the server each)
+# and refreshes the gauges.
+POLL_INTERVAL_S = 0.05
 _STOP = object()
 
 
