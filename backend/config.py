@@ -30,6 +30,7 @@ class EngineConfig:
     draft_model: str | None = None  # HF directory of the draft model (method "draft")
     num_speculative_tokens: int = 4  # max k
     adaptive_speculation: bool = True
+    num_threads: int = 0  # torch CPU threads for the engine; 0 keeps torch's default
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -62,6 +63,8 @@ class EngineConfig:
             )
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValidationError("draft_model", "required when speculative_method is 'draft'")
+        if self.num_threads < 0:
+            raise ValidationError("num_threads", f"must be >= 0, got {self.num_threads}")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValidationError(
                 "num_speculative_tokens", f"must be in [0, 16], got {self.num_speculative_tokens}"

@@ -61,6 +61,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
         hf_config = load_hf_config(config.model)
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings

@@ -1,0 +1,119 @@
+"""Speculative decoding on the default pair: tokens/s with and without speculation, side by side.
+
+For each batch size and temperature, the same code prompts (held out of training) run through the
+engine with: no speculation, the draft model at a fixed k, the draft model with adaptive k, and
+the n-gram proposer with adaptive k. Printed per row: generated tokens/s, speedup over no
+speculation in the same run, acceptance rate, mean tokens per verification step, and the speedup
+S(k) = (1 - a^(k+1)) / ((1 - a)(k c + 1)) predicts from the measured a and c.
+
+    python perf/bench_speculative.py                  # batch 1, 32, 64; T = 0 and 0.7
+    python perf/bench_speculative.py --batch-sizes 1 --max-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from backend.config import EngineConfig  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.sampling_params import SamplingParams  # noqa: E402
+from backend.spec_controller import speedup  # noqa: E402
+from perf.prompts import DEFAULT_DRAFT, DEFAULT_TARGET, code_prompts  # noqa: E402
+
+METHODS = {  # name -> engine knobs
+    "none": dict(speculative_method="none"),
+    "draft k=3": dict(speculative_method="draft", num_speculative_tokens=3, adaptive_speculation=False),
+    "draft adaptive": dict(speculative_method="draft", num_speculative_tokens=4, adaptive_speculation=True),
+    "ngram adaptive": dict(speculative_method="ngram", num_speculative_tokens=4, adaptive_speculation=True),
+}
+
+
+def run(engine: LLMEngine, prompts, max_tokens: int, temperature: float, batch_size: int) -> tuple[float, int]:
+    """Keep `batch_size` requests in flight until all prompts are done; returns (seconds, tokens)."""
+    pending = list(prompts)
+    in_flight = 0
+    tokens = 0
+    started = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and in_flight < batch_size:
+            seed = len(pending)
+            engine.add_request(pending.pop(), SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True))
+            in_flight += 1
+        for out in engine.step():
+            tokens += len(out.token_ids)
+            in_flight -= out.finished
+    return time.perf_counter() - started, tokens
+
+
+def measure_c(engine: LLMEngine) -> float:
+    tc, dc = engine.spec.target_cost, engine.spec.draft_cost
+    return dc(1) / tc(1) if tc.ready and dc.ready else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 64])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--requests-per-slot", type=int, default=2, help="requests = batch size x this (min 4)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared CPU)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_TARGET))
+    engines = {}
+    for name in args.methods:
+        engines[name] = LLMEngine(EngineConfig(
+            model=str(DEFAULT_TARGET), draft_model=str(DEFAULT_DRAFT), num_threads=args.threads,
+            max_num_seqs=max(args.batch_sizes), **METHODS[name]))
+    rows = []
+    cases = [(b, t) for b in args.batch_sizes for t in args.temperatures]
+    bar = tqdm(total=len(cases) * len(args.methods), desc="runs")
+    for batch_size, temperature in cases:
+        n = max(4, batch_size * args.requests_per_slot)
+        prompts = code_prompts(tokenizer, n, 64, 192, seed=batch_size)
+        base = None
+        for name in args.methods:
+            engine = engines[name]
+            run(engine, prompts[:2], 8, temperature, 2)  # warm-up
+            s0 = engine.stats()
+            seconds, tokens = run(engine, prompts, args.max_tokens, temperature, batch_size)
+            s1 = engine.stats()
+            draft = s1.spec_draft_tokens_total - s0.spec_draft_tokens_total
+            accepted = s1.spec_accepted_tokens_total - s0.spec_accepted_tokens_total
+            rate = tokens / seconds
+            base = base or rate
+            a = accepted / draft if draft else float("nan")
+            k = engine.config.num_speculative_tokens if name == "draft k=3" else None
+            c = measure_c(engine)
+            predicted = speedup(a, k, c) if k and draft and c == c else float("nan")
+            steps = engine.spec_proposed_per_position[0] if draft else 0
+            rows.append((batch_size, temperature, name, rate, rate / base, a, accepted / max(steps, 1) + 1 if draft else 1.0,
+                         predicted, c))
+            bar.update()
+            for engine_ in engines.values():
+                engine_.spec_proposed_per_position = [0] * engine_.config.num_speculative_tokens
+                engine_.spec_accepted_per_position = [0] * engine_.config.num_speculative_tokens
+    bar.close()
+    print(f"\ndefault pair, {args.max_tokens} new tokens per request, prompts 64-192 tokens of held-out code,"
+          f" {args.threads} torch thread(s)\n")
+    print("| batch | T | method | tok/s | vs none | acceptance | tokens/verify step | S(k) predicted | c |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for b, t, name, rate, ratio, a, mean_len, pred, c in rows:
+        fmt = lambda x, f: "-" if x != x else format(x, f)  # noqa: E731
+        print(f"| {b} | {t} | {name} | {rate:.1f} | {ratio:.2f}x | {fmt(a, '.2f')} | {mean_len:.2f} | "
+              f"{fmt(pred, '.2f')} | {fmt(c, '.2f')} |")
+
+
+if __name__ == "__main__":
+    main()

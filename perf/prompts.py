@@ -1,0 +1,40 @@
+"""Benchmark prompts: code from the standard-library files held out of the default models'
+training, and synthetic random-token prompts."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TARGET = REPO_ROOT / "model_repository" / "llm_engine" / "1" / "target"
+DEFAULT_DRAFT = REPO_ROOT / "model_repository" / "llm_engine" / "1" / "draft"
+
+
+def heldout_texts(seed: int = 1234) -> list[str]:
+    sys.path.insert(0, str(REPO_ROOT))
+    from scripts.train_default_models import split_corpus
+
+    splits, _ = split_corpus(seed)
+    return splits["heldout"]
+
+
+def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
+    """n prompts cut from held-out code at line starts, each min..max tokens long."""
+    rng = random.Random(seed)
+    texts = [t for t in heldout_texts() if len(t) > 4000]
+    prompts = []
+    while len(prompts) < n:
+        text = rng.choice(texts)
+        lines = text.splitlines(keepends=True)
+        start = rng.randrange(len(lines) // 2)
+        ids = tokenizer.encode("".join(lines[start:]))
+        length = rng.randint(min_tokens, max_tokens)
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+    return prompts
+
+
+def random_prompts(vocab_size: int, n: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(min_tokens, max_tokens))] for _ in range(n)]
