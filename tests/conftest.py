@@ -1,11 +1,15 @@
 """Shared fixtures: tiny random HF checkpoints written to disk, loaded through the real loaders."""
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
