@@ -125,13 +125,16 @@ class TritonPythonModel:
                 item = None
             if item is _STOP:
                 return
-            if item is not None:
-                self._handle(*item)
-            now = time.monotonic()
-            if now >= next_poll:
-                next_poll = now + POLL_INTERVAL_S
-                self._check_cancelled()
-                self.metrics.refresh(self.loop.engine.stats())
+            try:  # one bad output or metric update must not stop every request's responses
+                if item is not None:
+                    self._handle(*item)
+                now = time.monotonic()
+                if now >= next_poll:
+                    next_poll = now + POLL_INTERVAL_S
+                    self._check_cancelled()
+                    self.metrics.refresh(self.loop.engine.stats())
+            except Exception as e:
+                pb_utils.Logger.log_error(f"llm_engine: sender: {e!r}")
 
     def _check_cancelled(self) -> None:
         for request_id, state in list(self.requests.items()):
@@ -153,8 +156,13 @@ class TritonPythonModel:
             state.logprobs.extend(output.logprobs)
         try:
             self._respond(state, output)
-        except Exception as e:  # e.g. the client went away; the request is over either way
-            pb_utils.Logger.log_warn(f"llm_engine: sending a response failed: {e}")
+        except Exception as e:
+            pb_utils.Logger.log_warn(f"llm_engine: sending a response failed: {e!r}")
+            if output.finished:  # the request must still end, or its client waits forever
+                try:
+                    _send_error(state.sender, f"internal error sending the response: {e}")
+                except Exception:
+                    pass  # the client is gone
 
     def _observe_latency(self, state: RequestState, now: float, num_new_tokens: int) -> None:
         if state.last_token_time is None:
