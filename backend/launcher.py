@@ -246,16 +246,15 @@ def start_server(
         exit_timeout,
     )
     env = server_environment(server) | (extra_env or {})
-    log_path = None
-    out: IO | None = None
-    if isinstance(log_file, (str, Path)):
-        log_path = Path(log_file)
-        out = open(log_path, "ab")  # noqa: SIM115 (kept open by the child)
-    elif log_file is not None:
-        out = log_file
-    process = subprocess.Popen(
-        cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, cwd=REPO_ROOT
-    )
+    log_path = Path(log_file) if isinstance(log_file, (str, Path)) else None
+    out = open(log_path, "ab") if log_path else log_file  # noqa: SIM115
+    try:
+        process = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, cwd=REPO_ROOT
+        )
+    finally:
+        if log_path:
+            out.close()  # the child holds its own descriptor
     handle = ServerHandle(process, http_port, grpc_port, metrics_port, log_path=log_path)
     deadline = time.monotonic() + ready_timeout
     while not handle.is_ready():
