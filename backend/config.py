@@ -26,6 +26,7 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto", "torch", "triton"
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     speculative_method: str = "none"  # "none", "draft", "ngram"
     draft_model: str | None = None  # HF directory of the draft model (method "draft")
     num_speculative_tokens: int = 4  # max k

@@ -94,6 +94,9 @@ class LLMEngine:
             self.proposer = DraftProposer(draft_runner, self.sampler.generator)
         elif config.speculative_method == "ngram":
             self.proposer = NgramProposer()
+        if self.device.type == "cuda" and not config.enforce_eager:
+            for runner in [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftProposer) else []):
+                runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.spec = SpecController(config.num_speculative_tokens, config.adaptive_speculation)
         self.spec_draft_tokens_total = 0
         self.spec_accepted_tokens_total = 0
@@ -293,17 +296,24 @@ class LLMEngine:
             rows += [SamplingRow(r, r.spec_token_ids[:i]) for i in range(len(r.spec_token_ids) + 1)]
         if not rows:
             return []
-        probs = probs_from_logits(apply_penalties(logits.clone(), rows), rows)
-        plain = [i for i, row in enumerate(rows) if not row.request.spec_token_ids]
-        chosen = torch.zeros(len(rows), dtype=torch.long, device=logits.device)  # token per row
-        if plain:
-            chosen[plain] = sample_from_probs(probs[plain], [rows[i] for i in plain], self.sampler.generator)
+        penalized = apply_penalties(logits.clone(), rows)
+        if all(row.request.params.greedy for row in rows):  # argmax needs no distribution
+            probs = penalized
+            chosen = penalized.argmax(-1).tolist()  # token per row
+        else:
+            probs = probs_from_logits(penalized, rows)
+            chosen = [0] * len(rows)
+            plain = [i for i, row in enumerate(rows) if not row.request.spec_token_ids]
+            if plain:
+                drawn = sample_from_probs(probs[plain], [rows[i] for i in plain], self.sampler.generator)
+                for i, token in zip(plain, drawn.tolist()):
+                    chosen[i] = token
         new_tokens: dict[str, list[int]] = {}
         row = 0
         for r in sampled:
             k = len(r.spec_token_ids)
             if k == 0:
-                new_tokens[r.request_id] = [int(chosen[row])]
+                new_tokens[r.request_id] = [chosen[row]]
             else:
                 verdict = verify(
                     r.spec_token_ids, draft_probs.get(r.request_id), probs[row : row + k + 1],
@@ -311,11 +321,11 @@ class LLMEngine:
                 )
                 self._record_verification(r, k, verdict.num_accepted)
                 new_tokens[r.request_id] = verdict.tokens
-                chosen[row : row + len(verdict.tokens)] = torch.tensor(verdict.tokens)
+                chosen[row : row + len(verdict.tokens)] = verdict.tokens
                 r.num_computed_tokens -= k - verdict.num_accepted  # roll back the rejected positions
                 r.num_draft_computed_tokens = min(r.num_draft_computed_tokens, r.num_computed_tokens)
             row += k + 1
-        logprobs = compute_logprobs(logits, chosen, rows)
+        logprobs = compute_logprobs(logits, torch.tensor(chosen), rows)
         outputs = []
         row = 0
         for r in sampled:

@@ -5,6 +5,10 @@ The batch is flat: every scheduled token of every request, back to back, with
   cu_seqlens_q[B+1], seq_lens[B], block_tables[B, max_blocks]  (B = requests this step)
   logits_indices[L]  rows whose logits are needed (sampling or verification).
 The draft model has a runner of its own with the same block tables and its own pool.
+
+On CUDA, decode-only steps (one token per request) replay a CUDA graph captured at start-up for
+the smallest batch-size bucket that holds the batch; padding rows write nowhere (slot -1) and
+read one cached token. Mixed steps run eagerly.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from backend.attention import AttentionBackend, AttentionMetadata
 from backend.model import LlamaForCausalLM
 
 PAD_BLOCK = 0  # block id that pads block_tables rows (never read: seq_lens bounds every read)
+PAD_SLOT = -1  # slot of a padding token: its K/V are not stored
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 @dataclass(slots=True)
@@ -51,6 +57,69 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(a.num_layers)
         ]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch-size bucket -> decode graph
+        self.graph_io: dict[str, torch.Tensor] = {}  # static inputs and outputs shared by all graphs
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Capture one decode graph per batch-size bucket up to `max_batch_size` (CUDA only)."""
+        sizes = [b for b in GRAPH_BATCH_SIZES if b < max_batch_size] + [max_batch_size]
+        biggest = max(sizes)
+        max_blocks = (max_model_len + self.block_size - 1) // self.block_size
+        dev = self.device
+        io = self.graph_io = dict(
+            input_ids=torch.zeros(biggest, dtype=torch.int64, device=dev),
+            positions=torch.zeros(biggest, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((biggest,), PAD_SLOT, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.arange(biggest + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(biggest, dtype=torch.int32, device=dev),
+            block_tables=torch.full((biggest, max_blocks), PAD_BLOCK, dtype=torch.int32, device=dev),
+            logits_indices=torch.arange(biggest, dtype=torch.int64, device=dev),
+        )
+        pool = None
+        for b in sorted(sizes, reverse=True):  # biggest first: smaller graphs reuse its pool
+            meta = AttentionMetadata(
+                io["slot_mapping"][:b], io["cu_seqlens_q"][: b + 1], io["seq_lens"][:b],
+                io["block_tables"][:b], max_seqlen_q=1, max_seqlen_k=max_model_len,
+            )
+            args = (io["input_ids"][:b], io["positions"][:b], self.kv_caches, self.attention, meta,
+                    io["logits_indices"][:b])
+            self.model(*args)  # warm-up: compiles kernels outside the capture
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model(*args)
+            pool = graph.pool()
+            io[f"logits_{b}"] = logits
+            self.graphs[b] = graph
+        torch.cuda.synchronize(dev)
+
+    def _replay(self, step: StepInput) -> torch.Tensor | None:
+        """Run a decode-only step through a captured graph; None when no graph fits it."""
+        b = len(step.token_ids)
+        if not self.graphs or b > max(self.graphs) or any(len(t) != 1 for t in step.token_ids):
+            return None
+        if any(n != 1 for n in step.num_logits):
+            return None
+        bucket = min(size for size in self.graphs if size >= b)
+        io = self.graph_io
+        bs = self.block_size
+        positions = step.start_positions
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(step.block_tables, positions)]
+        max_blocks = io["block_tables"].shape[1]
+        tables = [t + [PAD_BLOCK] * (max_blocks - len(t)) for t in step.block_tables]
+        pad = bucket - b
+        host = dict(
+            input_ids=torch.tensor([t[0] for t in step.token_ids] + [0] * pad, dtype=torch.int64),
+            positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots + [PAD_SLOT] * pad, dtype=torch.int64),
+            seq_lens=torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32),
+            block_tables=torch.tensor(tables + [[PAD_BLOCK] * max_blocks] * pad, dtype=torch.int32),
+        )
+        for name, value in host.items():
+            io[name][:bucket].copy_(value, non_blocking=True)
+        self.graphs[bucket].replay()
+        return io[f"logits_{bucket}"][:b]
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.block_size
@@ -89,5 +158,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:  # [sum(num_logits), vocab] float32
+        if self.graphs:
+            logits = self._replay(step)
+            if logits is not None:
+                return logits
         input_ids, positions, meta, logits_indices = self.prepare(step)
         return self.model(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices)

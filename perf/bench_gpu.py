@@ -1,0 +1,197 @@
+"""End to end on one GPU: a random-weight Llama-3.2-1B shape in bf16, this engine beside HF.
+
+Measured in one run:
+  - batch-1 decode latency (ms per token after a 512-token prompt): the engine with CUDA graphs,
+    the engine eager, and HF `generate`; against the weight-read floor (weight bytes / HBM
+    bandwidth, 0.58 ms/token for 2.47 GB at 4.25 TB/s);
+  - throughput on 256 mixed requests (prompts 128-1024 tokens, 32-256 new tokens each, greedy,
+    EOS ignored): generated tokens/s for the engine; HF `generate` in static batches of 32 on a
+    subset, counting useful tokens only (its full run takes minutes).
+Greedy tokens of the engine are checked against HF's on a few prompts first (bf16: the first
+tokens must agree; a fast wrong engine is a bug).
+
+    python perf/bench_gpu.py                 # the 1B shape (CUDA)
+    python perf/bench_gpu.py --tiny          # a tiny shape, runs on CPU too (a smoke run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from backend.config import EngineConfig  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.sampling_params import SamplingParams  # noqa: E402
+from perf.prompts import DEFAULT_TARGET  # noqa: E402
+
+SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64,
+                rope_theta=500000.0, max_position_embeddings=4096)
+SHAPE_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True, head_dim=32,
+                  max_position_embeddings=2048)
+
+
+def write_model(path: Path, shape: dict, device: torch.device) -> int:
+    torch.manual_seed(0)
+    config = LlamaConfig(**shape, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16")
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    # any tokenizer serves: the output text is not measured (ids past its vocabulary decode to "")
+    AutoTokenizer.from_pretrained(str(DEFAULT_TARGET)).save_pretrained(path)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def engine_decode_latency(engine: LLMEngine, prompt: list[int], new_tokens: int) -> float:
+    """Seconds per output token after the first (the prefill step is excluded)."""
+    engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    engine.step()  # prefill, first token
+    sync(engine.device)
+    started = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    sync(engine.device)
+    return (time.perf_counter() - started) / steps
+
+
+def hf_decode_latency(model, prompt: list[int], new_tokens: int, device) -> float:
+    ids = torch.tensor([prompt], device=device)
+    def timed(n):
+        sync(device)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        sync(device)
+        return time.perf_counter() - t
+    timed(2)
+    return (timed(new_tokens) - timed(1)) / (new_tokens - 1)
+
+
+def engine_throughput(engine: LLMEngine, prompts, max_tokens) -> tuple[float, int]:
+    for p, m in zip(prompts, max_tokens):
+        engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+    sync(engine.device)
+    started = time.perf_counter()
+    generated = 0
+    while engine.has_unfinished_requests():
+        generated += sum(len(o.token_ids) for o in engine.step())
+    sync(engine.device)
+    return time.perf_counter() - started, generated
+
+
+def hf_static_throughput(model, prompts, max_tokens, batch_size, device) -> tuple[float, int]:
+    started = time.perf_counter()
+    useful = 0
+    for i in range(0, len(prompts), batch_size):
+        batch, news = prompts[i : i + batch_size], max_tokens[i : i + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        model.generate(ids, attention_mask=mask, max_new_tokens=max(news), min_new_tokens=max(news),
+                       do_sample=False, pad_token_id=0)
+        useful += sum(news)
+    sync(device)
+    return time.perf_counter() - started, useful
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny shape (smoke run; CPU works)")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--hf-requests", type=int, default=64, help="HF static batches run on this many")
+    ap.add_argument("--hbm-tbps", type=float, default=4.25)
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = SHAPE_TINY if args.tiny else SHAPE_1B
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    results: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "llama"
+        weight_bytes = write_model(model_dir, shape, device)
+        floor_ms = weight_bytes / (args.hbm_tbps * 1e12) * 1e3
+        results["weight_bytes"] = weight_bytes
+        rng = random.Random(0)
+        vocab = shape["vocab_size"]
+        n = args.num_requests if not args.tiny else min(args.num_requests, 32)
+        prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(128, 1024))] for _ in range(n)]
+        max_tokens = [rng.randint(32, 256) for _ in range(n)]
+        prompt512 = [rng.randrange(2, vocab) for _ in range(512)]
+
+        hf = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype)).to(device).eval()
+        hf.generation_config.eos_token_id = None
+
+        knobs = dict(model=str(model_dir), dtype=dtype, max_num_seqs=256, max_num_batched_tokens=8192,
+                     gpu_memory_utilization=0.6, kv_cache_memory_bytes=2**30)
+        t = time.perf_counter()
+        engine = LLMEngine(EngineConfig(**knobs))
+        results["engine_startup_s"] = time.perf_counter() - t
+
+        # correctness first: greedy tokens agree with HF on a few prompts
+        check = prompts[:4]
+        for p in check:
+            engine.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        got: dict = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.token_ids)
+        agree = 0
+        with torch.no_grad():
+            for p, toks in zip(check, got.values()):
+                ref = hf.generate(torch.tensor([p], device=device), max_new_tokens=8, do_sample=False)[0, len(p):]
+                agree += int(ref[0]) == toks[0]
+        results["first_token_agreement"] = f"{agree}/{len(check)}"
+
+        with torch.no_grad():
+            hf_ms = hf_decode_latency(hf, prompt512, 64, device) * 1e3
+        engine_decode_latency(engine, prompt512, 16)  # warm-up
+        eng_ms = engine_decode_latency(engine, prompt512, 128) * 1e3
+        eager = LLMEngine(EngineConfig(**knobs, enforce_eager=True)) if device.type == "cuda" else engine
+        engine_decode_latency(eager, prompt512, 16)
+        eager_ms = engine_decode_latency(eager, prompt512, 128) * 1e3
+        del eager
+        results.update(hf_ms_per_token=hf_ms, engine_ms_per_token=eng_ms, engine_eager_ms_per_token=eager_ms,
+                       floor_ms_per_token=floor_ms)
+
+        engine_throughput(engine, prompts[:8], [8] * 8)  # warm-up
+        seconds, generated = engine_throughput(engine, prompts, max_tokens)
+        results.update(engine_tok_s=generated / seconds, engine_generated=generated, engine_seconds=seconds,
+                       peak_blocks_used=engine.peak_blocks_used, num_blocks=engine.num_blocks)
+        m = min(args.hf_requests, n)
+        with torch.no_grad():
+            hf_s, hf_useful = hf_static_throughput(hf, prompts[:m], max_tokens[:m], 32, device)
+        results.update(hf_static_tok_s=hf_useful / hf_s, hf_static_requests=m)
+
+    print(json.dumps(results, indent=1))
+    print(f"\n{results['device']}, Llama {'tiny' if args.tiny else '3.2-1B'} shape, random weights, {dtype}\n")
+    print("| measure | this engine | engine eager | HF transformers | floor / target |")
+    print("|---|---|---|---|---|")
+    print(f"| batch-1 decode, ms/token (512-token prompt) | {eng_ms:.2f} | {eager_ms:.2f} | {hf_ms:.2f} | "
+          f"floor {floor_ms:.2f}, target <= {1.5 * floor_ms:.2f} |")
+    print(f"| {n} mixed requests, generated tok/s | {results['engine_tok_s']:,.0f} | | "
+          f"{results['hf_static_tok_s']:,.0f} (static batches of 32, {m} requests) | target >= 30,000 |")
+    print(f"\nengine vs HF: {hf_ms / eng_ms:.1f}x lower latency, {results['engine_tok_s'] / results['hf_static_tok_s']:.1f}x throughput;"
+          f" first-token agreement with HF {results['first_token_agreement']}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
