@@ -25,6 +25,7 @@ class AttentionMetadata:
 
 class AttentionBackend:
     name = "base"
+    supports_cuda_graphs = False  # True when forward never syncs with the host
 
     def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         raise NotImplementedError
@@ -48,6 +49,7 @@ class TorchAttention(AttentionBackend):
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self) -> None:
         from kernels.kv_cache import store_kvcache

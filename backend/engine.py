@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -21,7 +20,7 @@ from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.errors import ValidationError
-from backend.model_loader import TORCH_DTYPES, load_hf_config, load_model
+from backend.model_loader import TORCH_DTYPES, load_draft_model, load_hf_config, load_model
 from backend.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
@@ -29,7 +28,7 @@ from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
 from backend.rejection_sampler import verify
 from backend.sampler import Sampler, SamplingRow, apply_penalties, compute_logprobs, probs_from_logits, sample_from_probs
-from backend.spec_controller import SpecController
+from backend.speculator import Speculator
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
 
@@ -48,6 +47,7 @@ class EngineStats:
     prefix_cache_query_tokens_total: int
     spec_draft_tokens_total: int
     spec_accepted_tokens_total: int
+    spec_accepted_per_position: list[int]  # draft position i -> tokens accepted there
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,7 +75,11 @@ class LLMEngine:
         self.model = model
         self.eos_token_ids = self._eos_token_ids(config.model)
         self.attention = make_attention_backend(config.attention_backend, self.device)
-        self.draft_model = self._load_draft() if config.speculative_method == "draft" else None
+        self.draft_model = None
+        if config.speculative_method == "draft":
+            self.draft_model = load_draft_model(
+                config.draft_model, model, self.tokenizer, config.dtype, self.device, self.max_model_len
+            )
         bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
         if self.draft_model is not None:
             bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.dtype)
@@ -86,22 +90,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
-        self.proposer: DraftProposer | NgramProposer | None = None
+        proposer: DraftProposer | NgramProposer | None = None
         if self.draft_model is not None:
             draft_runner = ModelRunner(
                 self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype
             )
-            self.proposer = DraftProposer(draft_runner, self.sampler.generator)
+            proposer = DraftProposer(draft_runner, self.sampler.generator)
         elif config.speculative_method == "ngram":
-            self.proposer = NgramProposer()
-        if self.device.type == "cuda" and not config.enforce_eager:
-            for runner in [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftProposer) else []):
+            proposer = NgramProposer()
+        self.speculator = Speculator(proposer, config.num_speculative_tokens, config.adaptive_speculation, self.device)
+        if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs:
+            for runner in [self.runner] + ([proposer.runner] if isinstance(proposer, DraftProposer) else []):
                 runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
-        self.spec = SpecController(config.num_speculative_tokens, config.adaptive_speculation)
-        self.spec_draft_tokens_total = 0
-        self.spec_accepted_tokens_total = 0
-        self.spec_accepted_per_position = [0] * config.num_speculative_tokens  # accepted at draft position i
-        self.spec_proposed_per_position = [0] * config.num_speculative_tokens
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_tokens_emitted: dict[str, int] = {}  # request id -> output tokens already handed out
@@ -122,27 +122,6 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
-
-    def _load_draft(self):
-        draft_dir = Path(self.config.draft_model)
-        if not draft_dir.is_dir():
-            raise ValidationError("draft_model", f"not a directory: {draft_dir}")
-        draft, draft_config = load_model(draft_dir, self.config.dtype, self.device, self.max_model_len)
-        if draft.args.vocab_size != self.model.args.vocab_size:
-            raise ValidationError(
-                "draft_model",
-                f"vocabulary size {draft.args.vocab_size} differs from the target's {self.model.args.vocab_size}",
-            )
-        if any(f.name.startswith("tokenizer") for f in draft_dir.iterdir()):
-            draft_tok = AutoTokenizer.from_pretrained(str(draft_dir), local_files_only=True)
-            if draft_tok.get_vocab() != self.tokenizer.get_vocab():
-                raise ValidationError("draft_model", "its tokenizer differs from the target's")
-        if draft_config.max_position_embeddings < self.max_model_len:
-            raise ValidationError(
-                "draft_model",
-                f"context {draft_config.max_position_embeddings} is shorter than max_model_len {self.max_model_len}",
-            )
-        return draft
 
     def _num_blocks_for_budget(self, bytes_per_block: int) -> int:
         if self.device.type == "cuda":
@@ -210,66 +189,15 @@ class LLMEngine:
 
     # -- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._plan_speculation()
+        self.speculator.reserve(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
-        draft_probs = self._propose(batch)
-        started = time.perf_counter()
-        logits = self.runner.run(self.step_input(batch))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.spec.target_cost.add(batch.total_tokens, time.perf_counter() - started)
+        draft_probs = self.speculator.propose(batch, self.scheduler.running)
+        with self.speculator.timed(self.speculator.controller.target_cost, batch.total_tokens):
+            logits = self.runner.run(self.step_input(batch))
         return self.update(batch, logits, draft_probs)
-
-    # -- speculation ------------------------------------------------------------------------------
-    def _plan_speculation(self) -> None:
-        """Choose k per decoding request and reserve room for its draft tokens."""
-        if self.proposer is None:
-            return
-        candidates = [
-            r for r in self.scheduler.running
-            if r.params.speculative and r.num_computed_tokens == r.num_tokens - 1
-        ]
-        for r, k in zip(candidates, self.spec.plan(candidates)):
-            # never verify past max_tokens or the context
-            k = min(k, r.params.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
-            if k <= 0:
-                continue
-            if isinstance(self.proposer, NgramProposer):
-                r.spec_token_ids = self.proposer.lookup(r.all_token_ids, k)
-                r.num_lookahead_tokens = len(r.spec_token_ids)
-            else:
-                r.num_lookahead_tokens = k
-
-    def _propose(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
-        """Fit the reservations to what was scheduled, then run the draft model."""
-        to_draft, ks = [], []
-        for r, n in zip(batch.requests, batch.num_scheduled_tokens):
-            if not r.num_lookahead_tokens:
-                continue
-            k = n - (r.num_tokens - r.num_computed_tokens)  # the budget may have cut it short
-            r.num_lookahead_tokens = max(k, 0)
-            r.spec_token_ids = r.spec_token_ids[: r.num_lookahead_tokens]
-            if k > 0 and isinstance(self.proposer, DraftProposer):
-                to_draft.append(r)
-                ks.append(k)
-        for r in self.scheduler.running:  # reserved but not scheduled this step
-            if r.num_lookahead_tokens and r not in batch.requests:
-                r.num_lookahead_tokens, r.spec_token_ids = 0, []
-        if not to_draft:
-            return {}
-        started = time.perf_counter()
-        proposals = self.proposer.propose(to_draft, ks)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.spec.draft_cost.add(len(to_draft), (time.perf_counter() - started) / max(ks))
-        probs = {}
-        for r, (tokens, q) in zip(to_draft, proposals):
-            r.spec_token_ids = tokens
-            probs[r.request_id] = q
-        return probs
 
     @staticmethod
     def step_input(batch: ScheduledBatch) -> StepInput:
@@ -319,7 +247,7 @@ class LLMEngine:
                     r.spec_token_ids, draft_probs.get(r.request_id), probs[row : row + k + 1],
                     rows[row : row + k + 1], self.sampler.generator,
                 )
-                self._record_verification(r, k, verdict.num_accepted)
+                self.speculator.record(r, k, verdict.num_accepted)
                 new_tokens[r.request_id] = verdict.tokens
                 chosen[row : row + len(verdict.tokens)] = verdict.tokens
                 r.num_computed_tokens -= k - verdict.num_accepted  # roll back the rejected positions
@@ -341,14 +269,6 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(r)
             outputs.append(self._output(r))
         return outputs
-
-    def _record_verification(self, request: Request, k: int, num_accepted: int) -> None:
-        self.spec.observe(request, k, num_accepted)
-        self.spec_draft_tokens_total += k
-        self.spec_accepted_tokens_total += num_accepted
-        for i in range(k):
-            self.spec_proposed_per_position[i] += 1
-            self.spec_accepted_per_position[i] += i < num_accepted
 
     def _append_tokens(self, request: Request, tokens: list[int], logprobs: list[dict | None]) -> None:
         """Append tokens one at a time, stopping exactly where the request finishes."""
@@ -410,6 +330,7 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens_total=bm.prefix_hit_tokens,
             prefix_cache_query_tokens_total=bm.prefix_query_tokens,
-            spec_draft_tokens_total=self.spec_draft_tokens_total,
-            spec_accepted_tokens_total=self.spec_accepted_tokens_total,
+            spec_draft_tokens_total=self.speculator.num_draft_tokens,
+            spec_accepted_tokens_total=self.speculator.num_accepted_tokens,
+            spec_accepted_per_position=list(self.speculator.accepted_per_position),
         )

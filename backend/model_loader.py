@@ -111,3 +111,30 @@ def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device
         missing.discard("lm_head.weight")
     if missing:
         raise ValidationError("model", f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+
+
+def load_draft_model(
+    draft_dir: str | Path, target: LlamaForCausalLM, tokenizer, dtype: str, device: torch.device, max_model_len: int
+) -> LlamaForCausalLM:
+    """Load a draft model and check that it can speak for the target: same vocabulary and
+    tokenizer, a context at least max_model_len long."""
+    draft_dir = Path(draft_dir)
+    if not draft_dir.is_dir():
+        raise ValidationError("draft_model", f"not a directory: {draft_dir}")
+    draft, config = load_model(draft_dir, dtype, device, max_model_len)
+    if draft.args.vocab_size != target.args.vocab_size:
+        raise ValidationError(
+            "draft_model",
+            f"vocabulary size {draft.args.vocab_size} differs from the target's {target.args.vocab_size}",
+        )
+    if (draft_dir / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        draft_tokenizer = AutoTokenizer.from_pretrained(str(draft_dir), local_files_only=True)
+        if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValidationError("draft_model", "its tokenizer differs from the target's")
+    if config.max_position_embeddings < max_model_len:
+        raise ValidationError(
+            "draft_model", f"context {config.max_position_embeddings} is shorter than max_model_len {max_model_len}"
+        )
+    return draft

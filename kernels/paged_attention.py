@@ -11,6 +11,15 @@ import torch
 import torch.nn.functional as F
 
 
+def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[rows, num_blocks * block_size, kv_heads, head_dim]: each row's first pages, in order.
+    Padding entries of a table (past a row's own length, masked later) may hold any value."""
+    rows = block_tables.shape[0]
+    ids = block_tables[:, :num_blocks].reshape(-1).long().clamp(0, cache.shape[0] - 1)
+    pages = cache.index_select(0, ids)
+    return pages.view(rows, num_blocks * cache.shape[1], *cache.shape[2:])
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -22,52 +31,46 @@ def paged_attention_ref(
     max_seqlen_q: int | None = None,  # optional host-side hints, avoid a device sync
     max_seqlen_k: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Torch reference (any device). Decode-only batches run as one padded SDPA call;
-    requests with several query tokens run one SDPA call each."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    """Torch reference (any device). The requests with one query (decodes) run as one padded
+    SDPA call; each request with several queries runs one SDPA call of its own."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     block_size = k_cache.shape[1]
-    batch = seq_lens.shape[0]
+    gqa = q.shape[1] != num_kv_heads
+    starts = cu_seqlens_q[:-1].tolist()
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     lens = seq_lens.tolist()
     out = torch.empty_like(q)
-    gqa = num_heads != num_kv_heads
 
-    if all(n == 1 for n in q_lens):  # decode: one padded call
-        max_len = max(lens)
-        nb = (max_len + block_size - 1) // block_size
-        k = k_cache[block_tables[:, :nb].long()].reshape(batch, nb * block_size, num_kv_heads, head_dim)
-        v = v_cache[block_tables[:, :nb].long()].reshape(batch, nb * block_size, num_kv_heads, head_dim)
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    if decodes:
+        rows = torch.tensor(decodes, device=q.device)
+        token_rows = torch.tensor([starts[b] for b in decodes], device=q.device)
+        nb = (max(lens[b] for b in decodes) + block_size - 1) // block_size
+        tables = block_tables.index_select(0, rows)
+        k = _gather_pages(k_cache, tables, nb)  # [R, L, kv_heads, head_dim]
+        v = _gather_pages(v_cache, tables, nb)
         pos = torch.arange(nb * block_size, device=q.device)
-        mask = (pos[None, :] < seq_lens[:, None].to(pos.device))[:, None, None, :]  # [B, 1, 1, L]
+        mask = pos[None, :] < seq_lens.index_select(0, rows)[:, None].to(pos.device)  # [R, L]
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(k.dtype),  # [B, H, 1, D]
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=gqa,
+            q.index_select(0, token_rows).unsqueeze(2).to(k.dtype),  # [R, H, 1, D]
+            k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa,
         )
-        return o.squeeze(2).to(q.dtype)
+        out[token_rows] = o.squeeze(2).to(q.dtype)
 
-    for b in range(batch):
-        start, n, length = int(cu_seqlens_q[b]), q_lens[b], lens[b]
-        if n == 0:
+    for b, n in enumerate(q_lens):
+        if n <= 1:
             continue
+        start, length = starts[b], lens[b]
         nb = (length + block_size - 1) // block_size
-        blocks = block_tables[b, :nb].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length]
+        k = _gather_pages(k_cache, block_tables[b : b + 1], nb)[0, :length]  # [length, kv_heads, D]
+        v = _gather_pages(v_cache, block_tables[b : b + 1], nb)[0, :length]
         qpos = torch.arange(length - n, length, device=q.device)
         kpos = torch.arange(length, device=q.device)
-        mask = kpos[None, :] <= qpos[:, None]  # [n, length]
         o = F.scaled_dot_product_attention(
             q[start : start + n].transpose(0, 1).to(k.dtype),  # [H, n, D]
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=gqa,
+            k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=kpos[None, :] <= qpos[:, None], scale=scale, enable_gqa=gqa,
         )
         out[start : start + n] = o.transpose(0, 1).to(q.dtype)
     return out

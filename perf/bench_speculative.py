@@ -55,7 +55,7 @@ def run(engine: LLMEngine, prompts, max_tokens: int, temperature: float, batch_s
 
 
 def measure_c(engine: LLMEngine) -> float:
-    tc, dc = engine.spec.target_cost, engine.spec.draft_cost
+    tc, dc = engine.speculator.controller.target_cost, engine.speculator.controller.draft_cost
     return dc(1) / tc(1) if tc.ready and dc.ready else float("nan")
 
 
@@ -97,13 +97,12 @@ def main() -> None:
             k = engine.config.num_speculative_tokens if name == "draft k=3" else None
             c = measure_c(engine)
             predicted = speedup(a, k, c) if k and draft and c == c else float("nan")
-            steps = engine.spec_proposed_per_position[0] if draft else 0
+            steps = engine.speculator.proposed_per_position[0] if draft else 0
             rows.append((batch_size, temperature, name, rate, rate / base, a, accepted / max(steps, 1) + 1 if draft else 1.0,
                          predicted, c))
             bar.update()
             for engine_ in engines.values():
-                engine_.spec_proposed_per_position = [0] * engine_.config.num_speculative_tokens
-                engine_.spec_accepted_per_position = [0] * engine_.config.num_speculative_tokens
+                engine_.speculator.proposed_per_position = [0] * engine_.config.num_speculative_tokens
     bar.close()
     print(f"\ndefault pair, {args.max_tokens} new tokens per request, prompts 64-192 tokens of held-out code,"
           f" {args.threads} torch thread(s)\n")
