@@ -27,6 +27,9 @@ class IncrementalDetokenizer:
         self.num_emitted = 0  # characters of `text` already handed out
 
     def _decode(self, ids: list[int]) -> str:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # a fast tokenizer's own decoder
+        if backend is not None:
+            return backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add_token(self, token_id: int) -> bool:
