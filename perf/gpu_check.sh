@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # The GPU checks in one run: native kernel tests, decode-attention bandwidth, end to end vs HF.
-# Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh
+# Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [tests] [bandwidth] [e2e]
+# (no arguments: all three)
 set -u
 OUT=${OUT:-perf/results/gpu}
+STEPS=${*:-tests bandwidth e2e}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-echo "== kernel tests (native CUDA)"
-timeout 170 $PY -m pytest tests/kernels -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernel_tests.txt"
-echo "== decode attention bandwidth"
-timeout 90 $PY perf/bench_kernels.py --num-splits 1 2 4 2>&1 | tail -25 | tee "$OUT/bench_kernels.txt"
-echo "== end to end, Llama-3.2-1B shape, bf16"
-timeout 280 $PY perf/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | grep -v -E "Loading|Writing" | tail -40 | tee "$OUT/bench_gpu.txt"
+if [[ $STEPS == *tests* ]]; then
+  echo "== kernel tests (native CUDA)"
+  timeout 170 $PY -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/kernel_tests.txt"
+fi
+if [[ $STEPS == *bandwidth* ]]; then
+  echo "== decode attention bandwidth"
+  timeout 90 $PY perf/bench_kernels.py --num-splits 1 2 4 2>&1 | tail -25 | tee "$OUT/bench_kernels.txt"
+fi
+if [[ $STEPS == *e2e* ]]; then
+  echo "== end to end, Llama-3.2-1B shape, bf16"
+  timeout 280 $PY perf/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | grep -v -E "Loading|Writing" | tail -40 | tee "$OUT/bench_gpu.txt"
+fi
