@@ -1,5 +1,5 @@
-# make serve | make test | make bench: each sets up .venv from pyproject.toml first (once, and
-# again only when pyproject.toml changes).
+# make serve | make test | make bench | make bench-serving | make locust: each sets up .venv from
+# pyproject.toml first (once, and again only when pyproject.toml changes).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,8 +10,16 @@ TORCH_VERSION ?= 2.13.0
 SERVE_ARGS ?=
 TEST_ARGS ?=
 BENCH_ARGS ?=
+# bench-serving: perf/sweep_serving.py options, e.g. BENCH_SERVING_ARGS="--request-rates 1 2 4"
+BENCH_SERVING_ARGS ?=
+# locust: headless and bounded, against a server already running (make serve); reports under perf/results/
+LOCUST_USERS ?= 50
+LOCUST_SPAWN_RATE ?= 10
+LOCUST_RUN_TIME ?= 2m
+LOCUST_HOST ?= http://localhost:8000
+LOCUST_ARGS ?=
 
-.PHONY: serve test bench venv clean-venv
+.PHONY: serve test bench bench-serving locust venv clean-venv
 
 venv: $(STAMP)
 
@@ -30,6 +38,16 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) perf/bench_engine.py $(BENCH_ARGS)
+
+# Starts its own servers (engine, engine with speculation, HF generate baseline) on free ports.
+bench-serving: $(STAMP)
+	$(PY) perf/sweep_serving.py $(BENCH_SERVING_ARGS)
+
+locust: $(STAMP)
+	mkdir -p perf/results
+	$(VENV)/bin/locust -f perf/locustfile.py --headless -u $(LOCUST_USERS) -r $(LOCUST_SPAWN_RATE) \
+		-t $(LOCUST_RUN_TIME) --stop-timeout 60 --host $(LOCUST_HOST) --only-summary \
+		--csv perf/results/locust --html perf/results/locust.html $(LOCUST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
