@@ -189,15 +189,23 @@ class LLMEngine:
 
     # -- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         self.speculator.reserve(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
         draft_probs = self.speculator.propose(batch, self.scheduler.running)
-        with self.speculator.timed(self.speculator.controller.target_cost, batch.total_tokens):
+        if self.speculator.proposer is None:
             logits = self.runner.run(self.step_input(batch))
-        return self.update(batch, logits, draft_probs)
+        else:  # the adaptive speculation length needs the target's step times
+            with self.speculator.timed(self.speculator.controller.target_cost, batch.total_tokens):
+                logits = self.runner.run(self.step_input(batch))
+        lookahead = [r.num_lookahead_tokens for r in batch.requests]  # update() clears them
+        outputs = self.update(batch, logits, draft_probs)
+        num_new = sum(len(o.token_ids) for o in outputs)
+        self.speculator.observe_step(batch, lookahead, num_new, time.perf_counter() - started)
+        return outputs
 
     @staticmethod
     def step_input(batch: ScheduledBatch) -> StepInput:

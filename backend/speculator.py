@@ -20,10 +20,45 @@ from backend.scheduler import ScheduledBatch
 from backend.spec_controller import LinearCost, SpecController
 
 
+EXPLORE_EVERY = 16  # steps: how often the mode that looks worse is tried again
+RATE_EMA = 0.1  # weight of the newest step in a measured decode rate
+
+
+class ModeChooser:
+    """Measures what speculation actually buys: decode-only steps' output tokens per second with
+    speculation and without, per batch-size bucket (moving averages), and picks the faster mode,
+    trying the other one every EXPLORE_EVERY steps. It catches every cost the S(k) model leaves
+    out (verification bookkeeping, draft catch-up), so a loaded server does not get slower."""
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[bool, int], float] = {}  # (speculating, bucket) -> tokens/s
+        self.steps = 0
+
+    @staticmethod
+    def bucket(num_requests: int) -> int:
+        return max(num_requests, 1).bit_length()  # 1, 2-3, 4-7, ...
+
+    def speculate(self, num_requests: int) -> bool:
+        self.steps += 1
+        b = self.bucket(num_requests)
+        on, off = self.rates.get((True, b)), self.rates.get((False, b))
+        if on is None or off is None:
+            return on is None  # measure both first
+        better = on >= off
+        return better if self.steps % EXPLORE_EVERY else not better
+
+    def observe(self, speculating: bool, num_requests: int, num_tokens: int, seconds: float) -> None:
+        key = (speculating, self.bucket(num_requests))
+        rate = num_tokens / max(seconds, 1e-9)
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else (1 - RATE_EMA) * old + RATE_EMA * rate
+
+
 class Speculator:
     def __init__(self, proposer: DraftProposer | NgramProposer | None, max_k: int, adaptive: bool, device: torch.device):
         self.proposer = proposer
         self.controller = SpecController(max_k, adaptive)
+        self.modes = ModeChooser()
         self.device = device
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -44,6 +79,8 @@ class Speculator:
         if self.proposer is None:
             return
         candidates = [r for r in running if r.params.speculative and r.num_computed_tokens == r.num_tokens - 1]
+        if self.controller.adaptive and candidates and not self.modes.speculate(len(running)):
+            return
         for r, k in zip(candidates, self.controller.plan(candidates)):
             # never verify past max_tokens or the context
             k = min(k, r.params.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
@@ -87,6 +124,15 @@ class Speculator:
             r.spec_token_ids = tokens
             probs[r.request_id] = q
         return probs
+
+    def observe_step(self, batch: ScheduledBatch, lookahead: list[int], num_new_tokens: int, seconds: float) -> None:
+        """Feed a decode-only step (each request computes its last token plus its `lookahead`
+        draft tokens, nothing else) to the mode chooser."""
+        if self.proposer is None or not self.controller.adaptive:
+            return
+        if any(n != 1 + k for n, k in zip(batch.num_scheduled_tokens, lookahead)):
+            return
+        self.modes.observe(any(lookahead), len(batch.requests), num_new_tokens, seconds)
 
     def record(self, request: Request, k: int, num_accepted: int) -> None:
         self.controller.observe(request, k, num_accepted)
