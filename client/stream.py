@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ INPUT_TYPES: dict[str, tuple[str, type]] = {
     "return_logprobs": ("BOOL", np.bool_),
 }
 OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs")
+ENSEMBLE_ERROR_PREFIX = re.compile(r"^in ensemble '[^']*', ")
 
 
 class GenerationError(RuntimeError):
@@ -167,7 +169,7 @@ def _array(name: str, value: object, dtype: type) -> np.ndarray:
 
 def _message(error: Exception) -> str:
     message = error.message() if hasattr(error, "message") else str(error)
-    return message.removeprefix("in ensemble 'llm', ")
+    return _message_text(message)
 
 
 # -- HTTP: generate (one response) and generate_stream (server-sent events) -------------------------
@@ -209,7 +211,8 @@ def _http_error(body: bytes) -> str:
 
 
 def _message_text(message: str) -> str:
-    return message.removeprefix("in ensemble 'llm', ")
+    """The error without the prefix an ensemble puts on its steps' errors."""
+    return ENSEMBLE_ERROR_PREFIX.sub("", message, count=1)
 
 
 def _chunk(outputs: dict, final: bool) -> Chunk:

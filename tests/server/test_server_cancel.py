@@ -80,22 +80,84 @@ def test_server_serves_after_a_cancel(server):
     assert result[-1].num_output_tokens == 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tritonserver 2.51 passes a cancellation into an ensemble only between steps, so a "
-    "cancelled `llm` stream does not reach the running llm_engine step",
-)
-def test_cancelling_an_ensemble_stream_aborts_the_engine_request(server, tokenizer):
+def test_cancelling_an_llm_stream_aborts_the_engine_request(server, tokenizer):
+    """Through `llm` (text in): a closed stream reaches llm_engine as an abort at once."""
     _, max_tokens = _long_request_tokens(server, tokenizer)
-    max_tokens = min(max_tokens, 256)  # it runs to the end while the limitation lasts
     before = server.wait_for_metrics(_idle)
     chunks = generate(
         server.grpc_url, "Once upon a time", max_tokens=max_tokens, ignore_eos=True, temperature=0
     )
     for _ in range(3):
         next(chunks)
+    during = server.metrics()
+    assert during["specserve_num_requests_running"] == 1
+    assert during["specserve_kv_cache_free_blocks"] < during["specserve_kv_cache_total_blocks"]
+    chunks.close()
+
+    after = server.wait_for_metrics(lambda s: _idle(s) and s[ABORTED] > before[ABORTED], timeout=5)
+    assert _idle(after)
+    assert after[ABORTED] == before[ABORTED] + 1
+    assert after[LENGTH] == before[LENGTH]
+    assert after["specserve_generation_tokens_total"] - before["specserve_generation_tokens_total"] < max_tokens
+
+
+def test_abort_request_id_aborts_the_engine_request_sent_with_that_id(server, tokenizer):
+    """llm_engine's control input: the named request ends at once, the control request with one
+    empty final response."""
+    prompt_ids, max_tokens = _long_request_tokens(server, tokenizer)
+    before = server.wait_for_metrics(_idle)
+    params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    options = {"stream": True, "return_finish_reason": True}
+    inputs = [
+        _tensor("input_ids", np.array(prompt_ids, dtype=np.int32), "INT32"),
+        _tensor("sampling_params", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
+        _tensor("request_options", np.array([json.dumps(options).encode()], dtype=np.object_), "BYTES"),
+    ]
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer("llm_engine", inputs, request_id="to-abort", enable_empty_final_response=True)
+    result, error = responses.get(timeout=120)
+    assert error is None
+
+    control = _tensor("abort_request_id", np.array([b"to-abort"], dtype=np.object_), "BYTES")
+    control_responses = []
+    control_client = grpcclient.InferenceServerClient(server.grpc_url)
+    control_client.start_stream(callback=lambda result, error: control_responses.append((result, error)))
+    control_client.async_stream_infer("llm_engine", [control], enable_empty_final_response=True)
+    control_client.stop_stream()  # waits for the control request's responses
+    control_client.close()
+    [(result, error)] = control_responses
+    assert error is None
+    assert result.get_response().parameters["triton_final_response"].bool_param
+    assert result.as_numpy("text_output") is None
+
+    while True:  # the aborted request ends with its finish reason
+        result, error = responses.get(timeout=5)
+        assert error is None
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    assert result.as_numpy("finish_reason").tolist() == [b"abort"]
+    after = server.wait_for_metrics(lambda s: _idle(s) and s[ABORTED] > before[ABORTED], timeout=5)
+    assert after[ABORTED] == before[ABORTED] + 1
+    assert _idle(after)
+
+
+def test_cancelling_an_ensemble_stream_runs_to_the_end(server, tokenizer):
+    """The known limitation of `ensemble` on tritonserver 2.51: a cancellation reaches it only
+    between steps, so the engine step runs to max_tokens."""
+    max_tokens = 48
+    before = server.wait_for_metrics(_idle)
+    chunks = generate(
+        server.grpc_url, "Once upon a time", model="ensemble", max_tokens=max_tokens,
+        ignore_eos=True, temperature=0,
+    )
+    next(chunks)
     chunks.close()
     after = server.wait_for_metrics(
         lambda s: _idle(s) and s[ABORTED] + s[LENGTH] > before[ABORTED] + before[LENGTH], 120
     )
-    assert after[ABORTED] == before[ABORTED] + 1
+    assert after[LENGTH] == before[LENGTH] + 1
+    assert after[ABORTED] == before[ABORTED]

@@ -68,6 +68,11 @@ def test_range_is_in_the_message(server):
         _request(server, "http", top_p=1.5)
 
 
+def test_ensemble_gives_the_same_error(server):
+    with pytest.raises(GenerationError, match=r"^top_p: must be in \(0.0, 1.0\], got 1.5"):
+        complete(server.grpc_url, "hi", model="ensemble", top_p=1.5)
+
+
 def _grpc_infer(server, model: str, inputs: list) -> None:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     errors = []
@@ -119,6 +124,13 @@ def test_bad_engine_request_gets_invalid_arg(server):
     ]
     with pytest.raises(InferenceServerException, match="input_ids"):
         _grpc_infer(server, "llm_engine", inputs)
+
+
+def test_engine_request_without_input_ids_gets_invalid_arg(server):
+    """input_ids is optional in llm_engine's config only for requests with abort_request_id."""
+    params = np.array([json.dumps({"max_tokens": 2}).encode()], dtype=np.object_)
+    with pytest.raises(InferenceServerException, match="input_ids: required"):
+        _grpc_infer(server, "llm_engine", [_tensor("sampling_params", params, "BYTES")])
 
 
 def test_server_is_ready_and_serves_after_errors(server):

@@ -1,4 +1,4 @@
-"""Generation through the `llm` ensemble: gRPC stream, HTTP SSE and single responses agree."""
+"""Generation through `llm`: gRPC stream, HTTP SSE and single responses agree; `ensemble` too."""
 from __future__ import annotations
 
 import json
@@ -35,6 +35,14 @@ def test_every_protocol_gives_the_same_text(server, params):
     streamed = results[("grpc", True)]
     assert len(streamed.chunks) > 1  # deltas, not one response
     assert "".join(c.text for c in streamed.chunks) == results[("grpc", False)].text
+
+
+def test_ensemble_streams_the_same_text_as_llm(server):
+    params = dict(max_tokens=24, temperature=0.0, ignore_eos=True, return_finish_reason=True)
+    via_llm = _run(server, "grpc", True, **params)
+    via_ensemble = _run(server, "grpc", True, model="ensemble", **params)
+    assert [c.text for c in via_ensemble.chunks] == [c.text for c in via_llm.chunks]
+    assert via_ensemble.finish_reason == via_llm.finish_reason == "length"
 
 
 def test_seed_decides_sampled_text(server):

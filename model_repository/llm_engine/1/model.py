@@ -5,6 +5,11 @@ calls back with every RequestOutput; those go through a queue to one sender thre
 the responses (a text delta per output when streaming, one response otherwise), polls
 `is_cancelled()` and aborts cancelled requests in the engine. Every request ends with exactly one
 response flagged COMPLETE_FINAL, errors and cancellations included.
+
+A request carrying `abort_request_id` is a control request: it aborts the requests in flight that
+were sent with that Triton request id (the engine frees their KV blocks at once) and gets one
+empty final response. This is how `llm` cancels the request it forwarded: a BLS request cannot
+be cancelled in tritonserver 2.51.
 """
 from __future__ import annotations
 
@@ -46,12 +51,16 @@ PATH_PARAMETERS = ("model", "tokenizer", "draft_model")  # relative to this mode
 # How often the sender checks every request for cancellation (a round trip to the server each)
 # and refreshes the gauges.
 POLL_INTERVAL_S = 0.05
+# An abort can overtake the request it names (the two travel through tritonserver separately);
+# for this long, a request arriving with an aborted id that matched nothing is aborted on arrival.
+EARLY_ABORT_MEMORY_S = 10.0
 _STOP = object()
 
 
 @dataclass(slots=True)
 class RequestState:
     sender: object  # pb_utils.InferenceResponseSender
+    triton_request_id: str  # the id the client gave the request ("" if none), for abort_request_id
     options: dict  # stream, exclude_input_in_output, return_* flags (see preprocessing)
     prompt_text: str
     arrival: float  # time.monotonic() when execute() received the request
@@ -75,6 +84,9 @@ class TritonPythonModel:
         self.loop = EngineLoop(LLMEngine(config))
         self.metrics = EngineMetrics({"model": args["model_name"], "version": args["model_version"]})
         self.requests: dict[str, RequestState] = {}  # request id -> state; sender thread owns it
+        # Triton request id -> time.monotonic() until which a request arriving with it is aborted
+        # on arrival (an abort that found nothing in flight); execute()'s thread only
+        self.early_aborts: dict[str, float] = {}
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # (time, RequestOutput) or _STOP
         self.loop.start()
         self.sender = threading.Thread(target=self._send_loop, name="specserve-sender", daemon=True)
@@ -93,7 +105,20 @@ class TritonPythonModel:
     def _submit(self, request) -> None:
         arrival = time.monotonic()
         sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        abort_request_id = _text(request, "abort_request_id")
+        if abort_request_id:
+            self._abort_by_triton_id(abort_request_id)
+            sender.send(flags=final)
+            return
+        triton_request_id = request.request_id()
+        if self.early_aborts.pop(triton_request_id, 0.0) > arrival:
+            sender.send(flags=final)
+            return
         try:
+            for name in ("input_ids", "sampling_params"):
+                if pb_utils.get_input_tensor_by_name(request, name) is None:
+                    raise ValidationError(name, "required (or abort_request_id)")
             prompt_ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
             params = SamplingParams.from_dict(json.loads(_text(request, "sampling_params")))
             options = json.loads(_text(request, "request_options") or "{}")
@@ -102,7 +127,7 @@ class TritonPythonModel:
             _send_error(sender, f"llm_engine: bad request: {e}", pb_utils.TritonError.INVALID_ARG)
             return
         request_id = uuid.uuid4().hex
-        state = RequestState(sender, options, prompt_text, arrival)
+        state = RequestState(sender, triton_request_id, options, prompt_text, arrival)
         state.echo_pending = not options.get("exclude_input_in_output", True)
         self.requests[request_id] = state  # before submit: outputs may come back at once
         try:
@@ -110,6 +135,21 @@ class TritonPythonModel:
         except ValidationError as e:
             del self.requests[request_id]
             _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+
+    def _abort_by_triton_id(self, triton_request_id: str) -> None:
+        """Abort every request in flight sent with this Triton request id. The engine ends each
+        with a final output (finish_reason "abort"), which the sender thread passes on."""
+        engine_ids = [
+            request_id
+            for request_id, state in list(self.requests.items())
+            if state.triton_request_id == triton_request_id
+        ]
+        for request_id in engine_ids:
+            self.loop.abort(request_id)
+        if not engine_ids:
+            now = time.monotonic()
+            self.early_aborts = {k: t for k, t in self.early_aborts.items() if t > now}
+            self.early_aborts[triton_request_id] = now + EARLY_ABORT_MEMORY_S
 
     # -- engine thread: enqueue only ------------------------------------------------------------
     def _on_output(self, output: RequestOutput) -> None:

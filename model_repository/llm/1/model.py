@@ -1,0 +1,249 @@
+"""llm: the public entry point, a decoupled Python model over llm_engine that can be cancelled.
+
+tritonserver 2.51 checks an ensemble request for cancellation only between steps, and its Python
+backend cannot cancel a BLS request. So this model does the `ensemble` pipeline's work itself and
+cancels through llm_engine's `abort_request_id` control input.
+
+`execute()` reads each request's inputs, hands them to a worker thread and returns None. The worker
+1. preprocesses them in-process with the `preprocessing` model's own code (a bad input ends the
+   request with INVALID_ARG);
+2. sends llm_engine the request through BLS streaming, under a fresh Triton request id;
+3. relays each engine response to the client as it comes, the last one flagged COMPLETE_FINAL.
+A cancelled client request (checked between responses, and by the watcher thread while a response
+is awaited) gets an abort sent to llm_engine, which frees its KV blocks at once. The worker then
+drains the engine stream without relaying it and ends the client request with an empty final
+response. Every request ends with exactly one COMPLETE_FINAL.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _extend_sys_path() -> None:
+    """The stub's embedded interpreter ignores PYTHONPATH (the launcher puts the repo there);
+    the repository holding this model repository works without it. The preprocessing model's
+    directory holds the code this model shares with it."""
+    here = Path(__file__).resolve().parent
+    entries = [
+        str(here),
+        str(here.parents[1] / "preprocessing" / "1"),
+        *os.environ.get("PYTHONPATH", "").split(os.pathsep),
+        str(here.parents[2]),
+    ]
+    for entry in reversed(entries):
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
+
+
+_extend_sys_path()
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+from preprocessor import Preprocessor  # noqa: E402
+
+from backend.errors import ValidationError  # noqa: E402
+
+ENGINE_MODEL = "llm_engine"
+ENGINE_OUTPUTS = [
+    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs"
+]
+# How often each request is checked for cancellation (a round trip to the server each).
+POLL_INTERVAL_S = 0.05
+# How long finalize() waits for each worker; llm_engine ends the requests still in flight.
+FINALIZE_TIMEOUT_S = 30.0
+
+
+@dataclass(slots=True)
+class Relay:
+    """One client request and the engine request it became."""
+
+    sender: object  # the client's pb_utils.InferenceResponseSender
+    engine_request_id: str  # the Triton request id of the forwarded request; aborts name it
+    next_check: float = 0.0  # time.monotonic() of the next is_cancelled() check
+    aborted: bool = False  # an abort went to llm_engine; nothing more is relayed
+    finished: bool = False  # the client has had its COMPLETE_FINAL
+    # guards the flags; held across is_cancelled() and the final send, so that the sender is
+    # never asked about a request that has ended
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(
+                "llm must be decoupled: model_transaction_policy { decoupled: true }"
+            )
+        parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        repository = Path(args["model_repository"]).parent  # args name the model's own directory
+        self.preprocessor = Preprocessor.from_parameters(parameters, repository)
+        self.input_names = [i["name"] for i in model_config["input"]]
+        # one request at a time: an HF fast tokenizer used from several threads at once may
+        # raise "Already borrowed"
+        self.preprocess_lock = threading.Lock()
+        self.lock = threading.Lock()  # guards relays and workers
+        self.relays: dict[str, Relay] = {}  # engine request id -> relay, until its worker ends
+        self.workers: set[threading.Thread] = set()
+        self.stopping = threading.Event()
+        self.watcher = threading.Thread(target=self._watch, name="llm-watcher", daemon=True)
+        self.watcher.start()
+        pb_utils.Logger.log_info(
+            f"llm: tokenizer {self.preprocessor.tokenizer_dir}, "
+            f"max_model_len {self.preprocessor.max_model_len}, forwarding to {ENGINE_MODEL}"
+        )
+
+    # -- Triton's thread: hand off, never block ---------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            inputs = {}
+            for name in self.input_names:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy().copy()  # the worker outlives the request
+            relay = Relay(request.get_response_sender(), uuid.uuid4().hex)
+            worker = threading.Thread(
+                target=self._serve, args=(relay, inputs), name="llm-worker", daemon=True
+            )
+            with self.lock:
+                self.relays[relay.engine_request_id] = relay
+                self.workers.add(worker)
+            worker.start()
+        return None
+
+    # -- worker thread, one per request -----------------------------------------------------------
+    def _serve(self, relay: Relay, inputs: dict[str, np.ndarray]) -> None:
+        try:
+            self._generate(relay, inputs)
+        except Exception as e:  # the request must still end, or its client waits forever
+            pb_utils.Logger.log_error(f"llm: request {relay.engine_request_id}: {e!r}")
+            self._finish(relay, _error_response(f"internal error in llm: {e}"))
+            self._abort(relay)  # the engine request, if any, has no one to relay it now
+        finally:
+            with self.lock:
+                del self.relays[relay.engine_request_id]
+                self.workers.discard(threading.current_thread())
+
+    def _generate(self, relay: Relay, inputs: dict[str, np.ndarray]) -> None:
+        try:
+            with self.preprocess_lock:
+                request = self.preprocessor(inputs)
+        except ValidationError as e:
+            self._finish(relay, _error_response(str(e), pb_utils.TritonError.INVALID_ARG))
+            return
+        keep_finish_reason = request.options.return_finish_reason
+        request.options.return_finish_reason = True  # a finish reason marks the last response
+        self._check_cancelled(relay)
+        if not relay.aborted:
+            engine_request = pb_utils.InferenceRequest(
+                model_name=ENGINE_MODEL,
+                inputs=[pb_utils.Tensor(n, a) for n, a in request.engine_inputs().items()],
+                requested_output_names=ENGINE_OUTPUTS,
+                request_id=relay.engine_request_id,
+            )
+            for response in engine_request.exec(decoupled=True):
+                self._check_cancelled(relay)
+                self._relay(relay, response, keep_finish_reason)
+        self._finish(relay)  # no-op if the engine's last response was relayed
+
+    def _relay(self, relay: Relay, response, keep_finish_reason: bool) -> None:
+        if relay.aborted or relay.finished:
+            return  # draining
+        if response.has_error():
+            self._finish(relay, pb_utils.InferenceResponse(error=response.error()))
+            return
+        tensors = response.output_tensors()
+        if not tensors:
+            return  # the engine's empty final response
+        last = _text(tensors, "finish_reason") != ""
+        if not keep_finish_reason:
+            tensors = [t for t in tensors if t.name() != "finish_reason"]
+        response = pb_utils.InferenceResponse(output_tensors=tensors)
+        if last:
+            self._finish(relay, response)
+        else:
+            relay.sender.send(response)
+
+    def _finish(self, relay: Relay, response=None) -> None:
+        """Send the client request's one COMPLETE_FINAL (with `response`, if any)."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        with relay.lock:
+            if relay.finished:
+                return
+            relay.finished = True
+            if response is None:
+                relay.sender.send(flags=final)
+            else:
+                relay.sender.send(response, flags=final)
+
+    # -- cancellation: worker and watcher threads -------------------------------------------------
+    def _watch(self) -> None:
+        """Checks requests awaiting a response (a prefill, a queue) for cancellation."""
+        while not self.stopping.wait(POLL_INTERVAL_S):
+            with self.lock:
+                relays = list(self.relays.values())
+            for relay in relays:
+                try:
+                    self._check_cancelled(relay)
+                except Exception as e:
+                    pb_utils.Logger.log_error(f"llm: watcher: {e!r}")
+
+    def _check_cancelled(self, relay: Relay) -> None:
+        now = time.monotonic()
+        with relay.lock:
+            if relay.aborted or relay.finished or now < relay.next_check:
+                return
+            relay.next_check = now + POLL_INTERVAL_S
+            cancelled = relay.sender.is_cancelled()
+        if cancelled:
+            self._abort(relay)
+
+    def _abort(self, relay: Relay) -> None:
+        """Have llm_engine abort the forwarded request (or, if it has not arrived yet, abort it
+        on arrival); its stream then ends with an empty final response."""
+        with relay.lock:
+            if relay.aborted:
+                return
+            relay.aborted = True
+        abort_request_id = np.array([relay.engine_request_id.encode()], dtype=np.object_)
+        request = pb_utils.InferenceRequest(
+            model_name=ENGINE_MODEL,
+            inputs=[pb_utils.Tensor("abort_request_id", abort_request_id)],
+            requested_output_names=[],
+        )
+        for response in request.exec(decoupled=True):
+            if response.has_error():
+                pb_utils.Logger.log_error(f"llm: abort failed: {response.error().message()}")
+
+    def finalize(self):
+        """Stop the watcher, wait for the workers; a request still open ends with UNAVAILABLE."""
+        self.stopping.set()
+        self.watcher.join()
+        with self.lock:
+            workers = list(self.workers)
+        for worker in workers:
+            worker.join(FINALIZE_TIMEOUT_S)
+        with self.lock:
+            relays = list(self.relays.values())
+        for relay in relays:
+            error = _error_response("the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+            self._finish(relay, error)
+
+
+def _text(tensors: list, name: str) -> str:
+    for tensor in tensors:
+        if tensor.name() == name:
+            value = tensor.as_numpy().reshape(-1)
+            return value[0].decode("utf-8") if value.size else ""
+    return ""
+
+
+def _error_response(message: str, code=None):
+    code = pb_utils.TritonError.INTERNAL if code is None else code
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))

@@ -1,0 +1,96 @@
+"""Text or chat messages -> token ids, validated SamplingParams and request options.
+
+The work of the `preprocessing` model, shared with `llm`, which runs it in its own process. Plain
+Python (no Triton imports): inputs arrive as a dict of name -> numpy array, every problem is a
+ValidationError that names the input.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from request_inputs import RequestOptions, parse_request
+from transformers import AutoTokenizer
+
+from backend.errors import ValidationError
+from backend.sampling_params import SamplingParams
+
+DEFAULT_TOKENIZER = "llm_engine/1/target"  # relative to the model repository
+
+
+@dataclass(slots=True)
+class PreprocessedRequest:
+    input_ids: list[int]
+    params: SamplingParams
+    options: RequestOptions
+    prompt: str  # the prompt as text (chat rendered), echoed when exclude_input_in_output is false
+
+    def engine_inputs(self) -> dict[str, np.ndarray]:
+        """The inputs of llm_engine, by name."""
+        return {
+            "input_ids": np.asarray(self.input_ids, dtype=np.int32),
+            "sampling_params": _bytes(json.dumps(self.params.to_dict())),
+            "request_options": _bytes(self.options.to_json()),
+            "prompt_text": _bytes(self.prompt),
+        }
+
+
+class Preprocessor:
+    def __init__(self, tokenizer_dir: Path, max_model_len: int):
+        self.tokenizer_dir = tokenizer_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.max_model_len = max_model_len
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, str], repository: Path) -> Preprocessor:
+        """`parameters`: a model config's `tokenizer` (relative to `repository`, the model
+        repository) and `max_model_len` (empty: the tokenizer directory's config.json)."""
+        tokenizer_dir = Path(parameters.get("tokenizer", DEFAULT_TOKENIZER))
+        if not tokenizer_dir.is_absolute():
+            tokenizer_dir = repository / tokenizer_dir
+        max_model_len = _max_model_len(tokenizer_dir, parameters.get("max_model_len", ""))
+        return cls(tokenizer_dir, max_model_len)
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> PreprocessedRequest:
+        parsed = parse_request(inputs, self._render_chat)
+        input_ids = self.tokenizer(parsed.prompt, add_special_tokens=not parsed.from_messages)[
+            "input_ids"
+        ]
+        prompt_field = "messages" if parsed.from_messages else "text_input"
+        if not input_ids:
+            raise ValidationError(prompt_field, "the prompt tokenizes to no tokens")
+        if len(input_ids) >= self.max_model_len:
+            raise ValidationError(
+                prompt_field,
+                f"prompt is {len(input_ids)} tokens; the context is {self.max_model_len} tokens "
+                "and must also hold at least one generated token",
+            )
+        return PreprocessedRequest(input_ids, parsed.params, parsed.options, parsed.prompt)
+
+    def _render_chat(self, messages: list[dict]) -> str:
+        if not self.tokenizer.chat_template:
+            raise ValidationError("messages", "the model's tokenizer has no chat template")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # jinja raises for roles or orders a template refuses
+            raise ValidationError("messages", f"the chat template refused them: {e}") from None
+
+
+def _bytes(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def _max_model_len(model_dir: Path, override: str) -> int:
+    if override.strip():
+        return int(override)
+    config_path = model_dir / "config.json"
+    if config_path.exists():
+        config = json.loads(config_path.read_text())
+        config = config.get("text_config", config)
+        if "max_position_embeddings" in config:
+            return int(config["max_position_embeddings"])
+    raise ValueError(f"{config_path} has no max_position_embeddings; set parameter max_model_len")
