@@ -231,8 +231,10 @@ def start_server(
     ready_timeout: float = 300.0,
     exit_timeout: int = 30,
     extra_env: dict[str, str] | None = None,
+    crash_retries: int = 1,
 ) -> ServerHandle:
-    """Start tritonserver and wait until /v2/health/ready answers 200.
+    """Start tritonserver and wait until /v2/health/ready answers 200. A server killed by a
+    signal before it is ready is started again, up to `crash_retries` times.
 
     `log_file`: a path (the server's stdout and stderr are written there), an open file, or None
     (inherit this process's stdout and stderr).
@@ -259,6 +261,15 @@ def start_server(
     deadline = time.monotonic() + ready_timeout
     while not handle.is_ready():
         if process.poll() is not None:
+            if process.returncode < 0 and crash_retries > 0:
+                # the python backend can abort while starting its stubs on a starved CPU
+                # (boost::interprocess::lock_exception, SIGABRT); a second start succeeds
+                return start_server(
+                    model_repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                    log_verbose=log_verbose, log_level=log_level, log_file=log_file,
+                    ready_timeout=ready_timeout, exit_timeout=exit_timeout, extra_env=extra_env,
+                    crash_retries=crash_retries - 1,
+                )
             raise LaunchError(
                 f"tritonserver exited with code {process.returncode} before it was ready"
                 + (f"; log tail:\n{handle.log_tail()}" if log_path else "")
