@@ -77,7 +77,7 @@ def _repository_with_tiny_model(root: Path) -> tuple[Path, Path]:
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(model_dir)
     repository = root / "model_repository"
-    for model in ("preprocessing", "llm_engine", "llm", "ensemble"):
+    for model in ("preprocessing", "llm_engine", "llm", "llm_bls"):
         (repository / model).mkdir(parents=True)
         config = (DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text()
         config = config.replace('"llm_engine/1/target"', f'"{model_dir}"')  # preprocessing

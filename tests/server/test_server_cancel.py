@@ -71,7 +71,8 @@ def test_cancelling_an_engine_stream_frees_its_blocks(server, tokenizer):
 
 
 def test_server_serves_after_a_cancel(server):
-    chunks = generate(server.grpc_url, "Once upon a time", max_tokens=200, ignore_eos=True, temperature=0)
+    chunks = generate(server.grpc_url, "Once upon a time", model="llm_bls", max_tokens=200, ignore_eos=True,
+                      temperature=0)
     next(chunks)
     chunks.close()  # cancels
     server.wait_for_metrics(_idle)
@@ -80,12 +81,13 @@ def test_server_serves_after_a_cancel(server):
     assert result[-1].num_output_tokens == 5
 
 
-def test_cancelling_an_llm_stream_aborts_the_engine_request(server, tokenizer):
-    """Through `llm` (text in): a closed stream reaches llm_engine as an abort at once."""
+def test_cancelling_an_llm_bls_stream_aborts_the_engine_request(server, tokenizer):
+    """Through `llm_bls` (text in): a closed stream reaches llm_engine as an abort at once."""
     _, max_tokens = _long_request_tokens(server, tokenizer)
     before = server.wait_for_metrics(_idle)
     chunks = generate(
-        server.grpc_url, "Once upon a time", max_tokens=max_tokens, ignore_eos=True, temperature=0
+        server.grpc_url, "Once upon a time", model="llm_bls", max_tokens=max_tokens, ignore_eos=True,
+        temperature=0,
     )
     for _ in range(3):
         next(chunks)
@@ -145,13 +147,13 @@ def test_abort_request_id_aborts_the_engine_request_sent_with_that_id(server, to
     assert _idle(after)
 
 
-def test_cancelling_an_ensemble_stream_runs_to_the_end(server, tokenizer):
-    """The known limitation of `ensemble` on tritonserver 2.51: a cancellation reaches it only
+def test_cancelling_an_llm_ensemble_stream_runs_to_the_end(server, tokenizer):
+    """The known limitation of the `llm` ensemble on tritonserver 2.51: a cancellation reaches it only
     between steps, so the engine step runs to max_tokens."""
     max_tokens = 48
     before = server.wait_for_metrics(_idle)
     chunks = generate(
-        server.grpc_url, "Once upon a time", model="ensemble", max_tokens=max_tokens,
+        server.grpc_url, "Once upon a time", model="llm", max_tokens=max_tokens,
         ignore_eos=True, temperature=0,
     )
     next(chunks)

@@ -68,9 +68,9 @@ def test_range_is_in_the_message(server):
         _request(server, "http", top_p=1.5)
 
 
-def test_ensemble_gives_the_same_error(server):
+def test_llm_bls_gives_the_same_error(server):
     with pytest.raises(GenerationError, match=r"^top_p: must be in \(0.0, 1.0\], got 1.5"):
-        complete(server.grpc_url, "hi", model="ensemble", top_p=1.5)
+        complete(server.grpc_url, "hi", model="llm_bls", top_p=1.5)
 
 
 def _grpc_infer(server, model: str, inputs: list) -> None:

@@ -1,4 +1,4 @@
-"""Generation through `llm`: gRPC stream, HTTP SSE and single responses agree; `ensemble` too."""
+"""Generation through `llm`: gRPC stream, HTTP SSE and single responses agree; `llm_bls` too."""
 from __future__ import annotations
 
 import json
@@ -37,12 +37,12 @@ def test_every_protocol_gives_the_same_text(server, params):
     assert "".join(c.text for c in streamed.chunks) == results[("grpc", False)].text
 
 
-def test_ensemble_streams_the_same_text_as_llm(server):
+def test_llm_bls_streams_the_same_text_as_llm(server):
     params = dict(max_tokens=24, temperature=0.0, ignore_eos=True, return_finish_reason=True)
     via_llm = _run(server, "grpc", True, **params)
-    via_ensemble = _run(server, "grpc", True, model="ensemble", **params)
-    assert [c.text for c in via_ensemble.chunks] == [c.text for c in via_llm.chunks]
-    assert via_ensemble.finish_reason == via_llm.finish_reason == "length"
+    via_bls = _run(server, "grpc", True, model="llm_bls", **params)
+    assert [c.text for c in via_bls.chunks] == [c.text for c in via_llm.chunks]
+    assert via_bls.finish_reason == via_llm.finish_reason == "length"
 
 
 def test_seed_decides_sampled_text(server):

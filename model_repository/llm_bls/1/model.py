@@ -1,7 +1,7 @@
 """llm: the public entry point, a decoupled Python model over llm_engine that can be cancelled.
 
 tritonserver 2.51 checks an ensemble request for cancellation only between steps, and its Python
-backend cannot cancel a BLS request. So this model does the `ensemble` pipeline's work itself and
+backend cannot cancel a BLS request. So this model does the `llm` ensemble's work itself and
 cancels through llm_engine's `abort_request_id` control input.
 
 `execute()` reads each request's inputs, hands them to a worker thread and returns None. The worker
