@@ -12,8 +12,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 LATENCIES = (("ttft_s", "TTFT", "ttft"), ("tpot_s", "TPOT", "tpot"), ("e2e_latency_s", "end-to-end latency", None))
+
+
+def _log2_x(ax) -> None:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
 
 
 def _rate_points(points: list[dict]) -> list[dict]:
@@ -43,7 +49,7 @@ def plot_latency_vs_rate(results: dict[str, list[dict]], path: Path) -> Path | N
             slo = next(iter(series.values()))[0]["slo"][slo_key]
             ax.axhline(slo, color="grey", lw=0.8, ls=":", label="SLO")
         ax.set(title=title, xlabel="request rate (req/s)", ylabel="seconds", yscale="log")
-        ax.set_xscale("log", base=2)
+        _log2_x(ax)
         ax.grid(alpha=0.3)
     ax = axes[3]
     for name, pts in series.items():
@@ -51,7 +57,7 @@ def plot_latency_vs_rate(results: dict[str, list[dict]], path: Path) -> Path | N
         ax.plot(rates, [p["goodput"] for p in pts], "-", marker="o", ms=3, color=colors[name], label=f"{name} goodput")
         ax.plot(rates, [p["request_throughput"] for p in pts], ":", color=colors[name], label=f"{name} throughput")
     ax.set(title="goodput under the SLO", xlabel="request rate (req/s)", ylabel="req/s")
-    ax.set_xscale("log", base=2)
+    _log2_x(ax)
     ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     axes[3].legend(fontsize=7)
@@ -74,7 +80,7 @@ def plot_throughput_vs_concurrency(results: dict[str, list[dict]], path: Path) -
     axes[0].set(title="output tokens/s", xlabel="concurrency", ylabel="tokens/s")
     axes[1].set(title="requests/s", xlabel="concurrency", ylabel="req/s")
     for ax in axes:
-        ax.set_xscale("log", base=2)
+        _log2_x(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -16,7 +16,8 @@ requests met it), the p99 TTFT at the baseline's saturation rate (the lowest swe
 the baseline completed under 90% of the offered requests per second), the peak output tokens/s,
 and each as a ratio to the baseline.
 
-    python perf/sweep_serving.py                                   # defaults: a few minutes per variant
+    python perf/sweep_serving.py                                   # defaults: about 4 minutes per variant
+    python perf/sweep_serving.py --report perf/results/sweep_serving.json   # tables and plots again
     python perf/sweep_serving.py --request-rates 1 2 4 --concurrencies 1 16 --variants engine hf-baseline
 """
 from __future__ import annotations
@@ -157,6 +158,26 @@ def markdown_table(comparison: dict, slo: str) -> str:
     return "\n".join(lines)
 
 
+def points_table(results: dict[str, list[dict]]) -> str:
+    """Every load point of every variant, one row each."""
+    ms = lambda stats, key: "-" if stats[key] is None else f"{1000 * stats[key]:.0f}"  # noqa: E731
+    lines = [
+        "| server | load | ok | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+        "| ITL p99 ms | E2E p99 ms | goodput req/s | in SLO |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, points in results.items():
+        for p in points:
+            load = f"{p['request_rate']:g} req/s" if p["request_rate"] is not None else f"{p['concurrency']} users"
+            lines.append(
+                f"| {name} | {load} | {p['completed']}/{p['num_requests']} | {p['request_throughput']:.2f} "
+                f"| {p['output_throughput']:.0f} | {ms(p['ttft_s'], 'p50')} / {ms(p['ttft_s'], 'p99')} "
+                f"| {ms(p['tpot_s'], 'p50')} / {ms(p['tpot_s'], 'p99')} | {ms(p['itl_s'], 'p99')} "
+                f"| {ms(p['e2e_latency_s'], 'p99')} | {p['goodput']:.2f} | {100 * p['slo_attainment']:.0f}% |"
+            )
+    return "\n".join(lines)
+
+
 def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
@@ -190,8 +211,13 @@ def main() -> None:
                    help="torch CPU threads in every server (default: each config's own)")
     p.add_argument("--min-slo-attainment", type=float, default=0.9)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "sweep_serving.json")
-    p.set_defaults(request_rates=[0.5, 1, 2, 4, 8], concurrencies=[1, 8, 32], duration=20.0)
+    p.add_argument("--report", type=Path, metavar="JSON",
+                   help="only rebuild the tables and plots from a sweep's JSON results")
+    p.set_defaults(request_rates=[0.5, 1, 2, 4, 8, 16], concurrencies=[1, 16, 64], duration=15.0, num_prompts=32)
     args = p.parse_args()
+    if args.report:
+        report(json.loads(args.report.read_text()), args.report)
+        return
 
     loads = [(r, None) for r in args.request_rates] + [(None, c) for c in args.concurrencies]
     prompts = load_prompts(args.tokenizer, args.dataset, max(requests_for(args, r, c) for r, c in loads),
@@ -204,24 +230,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sweep-serving-") as workdir:
         for name in args.variants:
             results[name], counters[name] = serve_and_measure(name, args, prompts, Path(workdir))
-    comparison = compare(results, args.min_slo_attainment)
-    slo = f"TTFT < {args.slo_ttft:g} s, TPOT < {1000 * args.slo_tpot:g} ms"
-    table = markdown_table(comparison, slo)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     env = env_before | dict(load_average_after=os.getloadavg(), wall_s=time.perf_counter() - started)
-    args.out.write_text(json.dumps(dict(config=config, environment=env, comparison=comparison,
-                                        server_metrics=counters, results=results), indent=2))
-    args.out.with_suffix(".md").write_text(table + "\n")
+    sweep = dict(config=config, environment=env, server_metrics=counters, results=results)
+    sweep["comparison"] = report(sweep, args.out)
+    args.out.write_text(json.dumps(sweep, indent=2))
+    print(f"results: {args.out}\nwall time {env['wall_s'] / 60:.1f} min, load average "
+          f"{env['load_average_after'][0]:.1f} on {env['cpu_count']} CPUs")
+
+
+def report(sweep: dict, out: Path) -> dict:
+    """Prints the comparison, writes it with every point as markdown (`out` with .md) and the
+    plots beside `out`; returns the comparison."""
+    config, results = sweep["config"], sweep["results"]
+    comparison = compare(results, config["min_slo_attainment"])
+    slo = f"TTFT < {config['slo_ttft']:g} s, TPOT < {1000 * config['slo_tpot']:g} ms"
+    table = markdown_table(comparison, slo)
+    out.with_suffix(".md").write_text(f"{table}\n\n{points_table(results)}\n")
     from perf.serving_plots import plot_all
 
-    plots = plot_all(results, args.out.with_suffix(""))
-    for name, totals in counters.items():
+    plots = plot_all(results, out.with_suffix(""))
+    for name, totals in sweep.get("server_metrics", {}).items():
         if "spec_decode_acceptance_rate" in totals:
             print(f"{name}: draft acceptance rate {totals['spec_decode_acceptance_rate']:.3f} "
                   f"({totals['specserve_spec_decode_draft_tokens_total']:.0f} draft tokens)")
-    print(f"\n{table}\n\nresults: {args.out}\nplots: {', '.join(map(str, plots))}\n"
-          f"wall time {env['wall_s'] / 60:.1f} min, load average {env['load_average_after'][0]:.1f} "
-          f"on {env['cpu_count']} CPUs")
+    print(f"\n{table}\n\ntables: {out.with_suffix('.md')}\nplots: {', '.join(map(str, plots))}")
+    return comparison
 
 
 if __name__ == "__main__":
