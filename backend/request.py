@@ -91,16 +91,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
-    def token_at(self, index: int) -> int:
-        """Token `index` of prompt + output + spec tokens."""
-        n_prompt = len(self.prompt_token_ids)
-        if index < n_prompt:
-            return self.prompt_token_ids[index]
-        index -= n_prompt
-        if index < len(self.output_token_ids):
-            return self.output_token_ids[index]
-        return self.spec_token_ids[index - len(self.output_token_ids)]
-
     def tokens_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output + spec tokens."""
         return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]
