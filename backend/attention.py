@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_cache import store_kvcache_ref
-from kernels.paged_attention import paged_attention_ref
+from kernels.paged_attention import ReferencePlan, paged_attention_ref, plan_reference
 
 
 @dataclass(slots=True)
@@ -21,6 +21,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [batch, max_blocks] int32, padded with 0
     max_seqlen_q: int
     max_seqlen_k: int
+    reference_plan: ReferencePlan | None = None  # TorchAttention's per-step host work, made once
 
 
 class AttentionBackend:
@@ -41,9 +42,11 @@ class TorchAttention(AttentionBackend):
         store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.reference_plan is None:  # first layer of the step; the others reuse it
+            meta.reference_plan = plan_reference(meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, k_cache.shape[1])
         return paged_attention_ref(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
-            meta.max_seqlen_q, meta.max_seqlen_k,
+            meta.max_seqlen_q, meta.max_seqlen_k, meta.reference_plan,
         )
 
 

@@ -20,8 +20,9 @@ class DraftProposer:
         self.runner = runner
         self.generator = generator
 
-    def propose(self, requests: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor]]:
-        """k_r draft tokens per request and the draft distributions they were drawn from."""
+    def propose(self, requests: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """k_r draft tokens per request and the draft distributions they were drawn from (None for
+        a greedy request: its verification compares argmaxes and needs no distribution)."""
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         for j in range(max(ks)):
@@ -39,11 +40,15 @@ class DraftProposer:
                 step.block_tables.append(r.block_table)
                 step.num_logits.append(1)
                 r.num_draft_computed_tokens = start + len(step.token_ids[-1])
-            logits = self.runner.run(step)
             rows = [SamplingRow(requests[i], tokens[i][:]) for i in active]
-            q = probs_from_logits(apply_penalties(logits, rows), rows)
-            new = sample_from_probs(q, rows, self.generator).tolist()
+            logits = apply_penalties(self.runner.run(step), rows)
+            if all(row.request.params.greedy for row in rows):  # verification compares argmaxes only
+                new, q = logits.argmax(-1).tolist(), None
+            else:
+                q = probs_from_logits(logits, rows)
+                new = sample_from_probs(q, rows, self.generator).tolist()
             for row_idx, i in enumerate(active):
                 tokens[i].append(new[row_idx])
-                probs[i].append(q[row_idx])
-        return [(t, torch.stack(p)) for t, p in zip(tokens, probs)]
+                if not requests[i].params.greedy:
+                    probs[i].append(q[row_idx])
+        return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]

@@ -20,6 +20,7 @@ from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.errors import ValidationError
+from backend.host_memory import retain_freed_memory
 from backend.model_loader import TORCH_DTYPES, load_draft_model, load_hf_config, load_model
 from backend.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 from backend.outputs import RequestOutput
@@ -61,8 +62,11 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
+        self.draft_dtype = TORCH_DTYPES[config.draft_dtype]
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            retain_freed_memory()
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
         hf_config = load_hf_config(config.model)
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
@@ -78,11 +82,14 @@ class LLMEngine:
         self.draft_model = None
         if config.speculative_method == "draft":
             self.draft_model = load_draft_model(
-                config.draft_model, model, self.tokenizer, config.dtype, self.device, self.max_model_len
+                config.draft_model, model, self.tokenizer, config.draft_dtype, self.device, self.max_model_len
             )
+        for m in (model, self.draft_model):  # the Triton backend runs RMSNorm and RoPE as kernels too
+            if m is not None:
+                m.use_triton_kernels(self.attention.name == "triton")
         bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
         if self.draft_model is not None:
-            bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.dtype)
+            bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.draft_dtype)
         self.num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(bytes_per_block)
         if self.num_blocks < 2:
             raise ValidationError("kv_cache_memory_bytes", f"room for {self.num_blocks} KV blocks; need >= 2")
@@ -93,7 +100,7 @@ class LLMEngine:
         proposer: DraftProposer | NgramProposer | None = None
         if self.draft_model is not None:
             draft_runner = ModelRunner(
-                self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype
+                self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.draft_dtype
             )
             proposer = DraftProposer(draft_runner, self.sampler.generator)
         elif config.speculative_method == "ngram":

@@ -1,8 +1,13 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/2.5) as plain nn.Modules over a flat token batch.
 
-Module names match the HF checkpoints, so weights load by name. The forward takes the step's
-tokens flattened (no padding) and an `AttentionMetadata` that says where each request's queries
-sit and where their K/V go in the paged cache.
+Module names match the HF checkpoints, so weights load by name, except that q/k/v and gate/up
+each run as one packed matmul (`qkv_proj`, `gate_up_proj`; the loader fills their row shards from
+the checkpoint's separate tensors, see PACKED_PROJECTIONS). The forward takes the step's tokens
+flattened (no padding) and an `AttentionMetadata` that says where each request's queries sit and
+where their K/V go in the paged cache.
+
+RMSNorm (with the residual add folded in) and RoPE run as torch op chains, or as one Triton kernel
+each when `use_triton_kernels` is set (CUDA, or CPU under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -32,17 +37,44 @@ class ModelArgs:
     max_position_embeddings: int
 
 
+# checkpoint projection -> (packed module, shard index): one matmul where HF stores several
+PACKED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class PackedLinear(nn.Linear):
+    """Several projections of the same input stacked along the output rows."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = shard_sizes
+
+    def shard_rows(self, shard: int) -> slice:
+        start = sum(self.shard_sizes[:shard])
+        return slice(start, start + self.shard_sizes[shard])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.use_triton_kernels = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, (norm(x + residual), x + residual)."""
+        if self.use_triton_kernels:
+            from kernels.rms_norm import rms_norm
+        else:
+            from kernels.rms_norm import rms_norm_ref as rms_norm
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -54,14 +86,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq.float())  # [max_positions, head_dim // 2]
         self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
+        self.use_triton_kernels = False
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, num_heads, head_dim]; positions: [num_tokens]
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        if self.use_triton_kernels:
+            from kernels.rotary import apply_rotary
+        else:
+            from kernels.rotary import apply_rotary_ref as apply_rotary
+        return apply_rotary(q, k, positions, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -69,10 +102,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = PackedLinear(args.hidden_size, [q_size, kv_size, kv_size], bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias)
         self.rotary = rotary
         self.scale = args.head_dim**-0.5
 
@@ -85,9 +117,9 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.rotary(positions, self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = self.rotary(positions, self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
         attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = attn.forward(q, k_cache, v_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
@@ -97,12 +129,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = PackedLinear(args.hidden_size, [args.intermediate_size] * 2, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -113,9 +146,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, attn, meta) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, kv_cache, attn, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous layer's output before its residual add (the first layer: the
+        embeddings, residual None); returns the same pair for the next layer."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, attn, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -144,8 +184,14 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_logits] rows of the flat batch that need logits
     ) -> torch.Tensor:  # [num_logits, vocab] float32
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, kv_cache, attn, meta)
-        x = self.model.norm(x[logits_indices])
+            x, residual = layer(positions, x, residual, kv_cache, attn, meta)
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()
+
+    def use_triton_kernels(self, enabled: bool) -> None:
+        """Run RMSNorm and RoPE as Triton kernels (attention is the AttentionBackend's choice)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.use_triton_kernels = enabled

@@ -13,7 +13,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from backend.errors import ValidationError
-from backend.model import LlamaForCausalLM, ModelArgs, RotaryEmbedding
+from backend.model import PACKED_PROJECTIONS, LlamaForCausalLM, ModelArgs, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,22 +82,36 @@ def load_model(
     return model.eval(), config
 
 
+def _parameter_for(model: LlamaForCausalLM, name: str) -> tuple[str, slice | None]:
+    """Where checkpoint tensor `name` goes: (parameter name, its row shard or None for all of it).
+    q/k/v and gate/up land in their packed projection's rows (PACKED_PROJECTIONS)."""
+    module_path, _, kind = name.rpartition(".")  # kind: weight or bias
+    parent, _, proj = module_path.rpartition(".")
+    if proj not in PACKED_PROJECTIONS:
+        return name, None
+    packed, shard = PACKED_PROJECTIONS[proj]
+    module = model.get_submodule(f"{parent}.{packed}")
+    return f"{parent}.{packed}.{kind}", module.shard_rows(shard)
+
+
 def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device) -> None:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValidationError("model", f"no *.safetensors weights in {model_dir}")
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    rows_left = {name: p.shape[0] for name, p in params.items()}  # rows not loaded yet
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name not in params:
-                    if name.endswith("rotary_emb.inv_freq") or (
-                        name == "lm_head.weight" and model.args.tie_word_embeddings
-                    ):
-                        continue
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.args.tie_word_embeddings):
+                    continue
+                try:
+                    param_name, rows = _parameter_for(model, name)
+                except AttributeError:  # no such module
+                    param_name, rows = name, None
+                if param_name not in params:
                     raise ValidationError("model", f"unexpected weight {name!r} in {file.name}")
-                target = params[name]
+                target = params[param_name] if rows is None else params[param_name][rows]
                 tensor = f.get_tensor(name)
                 if tensor.shape != target.shape:
                     raise ValidationError(
@@ -105,12 +119,12 @@ def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device
                     )
                 with torch.no_grad():
                     target.copy_(tensor.to(device=device, dtype=target.dtype))
-                loaded.add(name)
-    missing = set(params) - loaded
+                rows_left[param_name] -= target.shape[0]
     if model.args.tie_word_embeddings:
-        missing.discard("lm_head.weight")
+        rows_left.pop("lm_head.weight", None)
+    missing = sorted(name for name, rows in rows_left.items() if rows)
     if missing:
-        raise ValidationError("model", f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+        raise ValidationError("model", f"weights missing from {model_dir}: {missing[:5]}")
 
 
 def load_draft_model(

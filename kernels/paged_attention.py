@@ -7,17 +7,110 @@ request b sits at position seq_lens[b] - q_len_b + i and attends to every cached
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
+SHORT_QUERY = 32  # requests with at most this many queries share one padded SDPA call
 
-def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[rows, num_blocks * block_size, kv_heads, head_dim]: each row's first pages, in order.
-    Padding entries of a table (past a row's own length, masked later) may hold any value."""
-    rows = block_tables.shape[0]
-    ids = block_tables[:, :num_blocks].reshape(-1).long().clamp(0, cache.shape[0] - 1)
-    pages = cache.index_select(0, ids)
-    return pages.view(rows, num_blocks * cache.shape[1], *cache.shape[2:])
+
+@dataclass(slots=True)
+class ShortQueries:
+    """Requests with 1..SHORT_QUERY queries, padded to n_max queries each."""
+    token_rows: torch.Tensor  # [R, n_max] row of q per (request, query); padding repeats the last
+    valid: torch.Tensor | None  # [R, n_max] bool, False on padding; None when there is none
+    block_tables: torch.Tensor  # [R, num_blocks]
+    num_blocks: int
+    mask: torch.Tensor  # [R, n_max, num_blocks * block_size] True = attend (causal and in range)
+    grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> _attend's mask
+
+
+@dataclass(slots=True)
+class LongQuery:
+    """A request with more than SHORT_QUERY queries (a prefill chunk): attended on its own."""
+    start: int  # its first row of q
+    num_queries: int
+    length: int  # seq_len
+    block_tables: torch.Tensor  # [1, num_blocks]
+    mask: torch.Tensor  # [1, num_queries, length]
+    grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ReferencePlan:
+    """What the reference derives from a step's metadata alone: the same for every layer, so the
+    engine computes it once per step (see backend.attention.TorchAttention)."""
+    short: ShortQueries | None
+    long: list[LongQuery]
+
+
+def plan_reference(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   block_size: int) -> ReferencePlan:
+    device = seq_lens.device
+    starts = cu_seqlens_q[:-1].tolist()
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    lens = seq_lens.tolist()
+    short = None
+    picked = [b for b, n in enumerate(q_lens) if 1 <= n <= SHORT_QUERY]
+    if picked:
+        n_max = max(q_lens[b] for b in picked)
+        # query i of request b; padding repeats the request's last query and is not written back
+        clipped = [[min(i, q_lens[b] - 1) for i in range(n_max)] for b in picked]
+        token_rows = torch.tensor([[starts[b] + i for i in row] for b, row in zip(picked, clipped)], device=device)
+        q_pos = torch.tensor([[lens[b] - q_lens[b] + i for i in row] for b, row in zip(picked, clipped)], device=device)
+        valid = None
+        if any(q_lens[b] != n_max for b in picked):
+            valid = torch.tensor([[i < q_lens[b] for i in range(n_max)] for b in picked], device=device)
+        num_blocks = (max(lens[b] for b in picked) + block_size - 1) // block_size
+        tables = block_tables.index_select(0, torch.tensor(picked, device=device))[:, :num_blocks]
+        k_pos = torch.arange(num_blocks * block_size, device=device)
+        short = ShortQueries(token_rows, valid, tables, num_blocks, k_pos <= q_pos[:, :, None])
+    long = []
+    for b, n in enumerate(q_lens):
+        if n <= SHORT_QUERY:
+            continue
+        length = lens[b]
+        num_blocks = (length + block_size - 1) // block_size
+        q_pos = torch.arange(length - n, length, device=device)
+        k_pos = torch.arange(length, device=device)
+        long.append(LongQuery(starts[b], n, length, block_tables[b : b + 1, :num_blocks],
+                              (k_pos[None, :] <= q_pos[:, None]).unsqueeze(0)))
+    return ReferencePlan(short, long)
+
+
+def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[rows, kv_heads, num_blocks * block_size, head_dim] (a head-major view): each row's pages
+    in order. Padding entries of a table (past a row's own length, masked) may hold any value."""
+    rows, num_blocks = block_tables.shape
+    ids = block_tables.reshape(-1).long().clamp(0, cache.shape[0] - 1)
+    pages = cache.index_select(0, ids).view(rows, num_blocks * cache.shape[1], *cache.shape[2:])
+    return pages.transpose(1, 2)
+
+
+def _grouped_mask(queries: ShortQueries | LongQuery, group: int) -> torch.Tensor:
+    """The mask with each request's n queries repeated for the G heads of a group: [R, 1, G n, L]."""
+    mask = queries.grouped_masks.get(group)
+    if mask is None:
+        rows, n, length = queries.mask.shape
+        mask = queries.mask.unsqueeze(1).expand(rows, group, n, length).reshape(rows, 1, group * n, length)
+        queries.grouped_masks[group] = mask
+    return mask
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: ShortQueries | LongQuery,
+            scale: float) -> torch.Tensor:
+    """Grouped-query attention without repeating K/V: the G query heads that share a KV head are
+    folded into the query length, so every KV head is read once.
+    q [R, n, H, D]; k, v [R, KVH, L, D]. Returns [R, n, H, D]."""
+    rows, n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads  # query head h reads KV head h // group
+    q = q.reshape(rows, n, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [R, KVH, G, n, D]
+    q = q.reshape(rows, num_kv_heads, group * n, head_dim).to(k.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=_grouped_mask(queries, group), scale=scale)
+    o = o.view(rows, num_kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)  # [R, n, KVH, G, D]
+    return o.reshape(rows, n, num_heads, head_dim)
 
 
 def paged_attention_ref(
@@ -28,51 +121,29 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [batch] int32, context length incl. the new tokens
     block_tables: torch.Tensor,  # [batch, max_blocks] int32
     scale: float,
-    max_seqlen_q: int | None = None,  # optional host-side hints, avoid a device sync
+    max_seqlen_q: int | None = None,  # unused: the kernels' host-side hints
     max_seqlen_k: int | None = None,
+    plan: ReferencePlan | None = None,  # plan_reference(...) of these arguments, when shared
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Torch reference (any device). The requests with one query (decodes) run as one padded
-    SDPA call; each request with several queries runs one SDPA call of its own."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    block_size = k_cache.shape[1]
-    gqa = q.shape[1] != num_kv_heads
-    starts = cu_seqlens_q[:-1].tolist()
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-    lens = seq_lens.tolist()
+    """Torch reference (any device). Requests with a few queries (decodes, speculative
+    verification) run as one padded SDPA call; each longer one (a prefill chunk) runs its own."""
+    if plan is None:
+        plan = plan_reference(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
     out = torch.empty_like(q)
-
-    decodes = [b for b, n in enumerate(q_lens) if n == 1]
-    if decodes:
-        rows = torch.tensor(decodes, device=q.device)
-        token_rows = torch.tensor([starts[b] for b in decodes], device=q.device)
-        nb = (max(lens[b] for b in decodes) + block_size - 1) // block_size
-        tables = block_tables.index_select(0, rows)
-        k = _gather_pages(k_cache, tables, nb)  # [R, L, kv_heads, head_dim]
-        v = _gather_pages(v_cache, tables, nb)
-        pos = torch.arange(nb * block_size, device=q.device)
-        mask = pos[None, :] < seq_lens.index_select(0, rows)[:, None].to(pos.device)  # [R, L]
-        o = F.scaled_dot_product_attention(
-            q.index_select(0, token_rows).unsqueeze(2).to(k.dtype),  # [R, H, 1, D]
-            k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa,
-        )
-        out[token_rows] = o.squeeze(2).to(q.dtype)
-
-    for b, n in enumerate(q_lens):
-        if n <= 1:
-            continue
-        start, length = starts[b], lens[b]
-        nb = (length + block_size - 1) // block_size
-        k = _gather_pages(k_cache, block_tables[b : b + 1], nb)[0, :length]  # [length, kv_heads, D]
-        v = _gather_pages(v_cache, block_tables[b : b + 1], nb)[0, :length]
-        qpos = torch.arange(length - n, length, device=q.device)
-        kpos = torch.arange(length, device=q.device)
-        o = F.scaled_dot_product_attention(
-            q[start : start + n].transpose(0, 1).to(k.dtype),  # [H, n, D]
-            k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=kpos[None, :] <= qpos[:, None], scale=scale, enable_gqa=gqa,
-        )
-        out[start : start + n] = o.transpose(0, 1).to(q.dtype)
+    short = plan.short
+    if short is not None:
+        k = _gather_pages(k_cache, short.block_tables)  # [R, KVH, L, D]
+        v = _gather_pages(v_cache, short.block_tables)
+        o = _attend(q[short.token_rows], k, v, short, scale)  # [R, n_max, H, D]
+        if short.valid is None:
+            out.index_copy_(0, short.token_rows.flatten(), o.flatten(0, 1).to(q.dtype))
+        else:
+            out[short.token_rows[short.valid]] = o[short.valid].to(q.dtype)
+    for chunk in plan.long:
+        k = _gather_pages(k_cache, chunk.block_tables)[:, :, : chunk.length]  # [1, KVH, length, D]
+        v = _gather_pages(v_cache, chunk.block_tables)[:, :, : chunk.length]
+        rows = slice(chunk.start, chunk.start + chunk.num_queries)
+        out[rows] = _attend(q[rows].unsqueeze(0), k, v, chunk, scale)[0].to(q.dtype)
     return out
 
 

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-TRITON_MODULES = ("kernels.kv_cache_triton", "kernels.paged_attention_decode", "kernels.paged_attention_extend")
+TRITON_MODULES = (
+    "kernels.kv_cache_triton", "kernels.paged_attention_decode", "kernels.paged_attention_extend",
+    "kernels.rms_norm_triton", "kernels.rotary_triton",
+)
 
 
 def _use_interpreter() -> None:

@@ -1,5 +1,5 @@
-"""The engine with the Triton attention backend gives the torch backend's greedy tokens
-(float32; under the interpreter on CPU, natively on CUDA)."""
+"""The engine with the Triton backend (attention, KV store, RMSNorm and RoPE kernels) gives the
+torch backend's greedy tokens (float32; under the interpreter on CPU, natively on CUDA)."""
 import torch
 
 from backend.config import EngineConfig
@@ -15,4 +15,5 @@ def test_triton_backend_matches_torch_backend(tiny_llama):
     torch_tokens = run_engine(LLMEngine(EngineConfig(attention_backend="torch", **knobs)), prompts, max_tokens)
     engine = LLMEngine(EngineConfig(attention_backend="triton", **knobs))
     assert engine.attention.name == "triton"
+    assert engine.model.model.norm.use_triton_kernels and engine.model.model.layers[0].self_attn.rotary.use_triton_kernels
     assert run_engine(engine, prompts, max_tokens) == torch_tokens

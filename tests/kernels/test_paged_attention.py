@@ -110,3 +110,40 @@ def test_compiled_kernels_refuse_cpu_tensors():
     gpu_kernel = triton.runtime.JITFunction(_kernel_stub)
     with pytest.raises(ValueError, match="Triton kernels need CUDA tensors"):
         check_device(gpu_kernel, torch.zeros(1))
+
+
+def _attention_by_formula(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale) -> torch.Tensor:
+    """softmax(q k^T * scale) v for one query at a time, reading each position's K/V through the
+    block table: the definition the reference (and through it every kernel) is held to."""
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.zeros_like(q)
+    for b in range(seq_lens.shape[0]):
+        start, end, length = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens[b])
+        for t in range(start, end):
+            pos = length - (end - t)  # this query's position; it sees positions 0..pos
+            blocks = block_tables[b, torch.arange(pos + 1) // block_size].long()
+            offsets = torch.arange(pos + 1) % block_size
+            for h in range(q.shape[1]):
+                k = k_cache[blocks, offsets, h // group]  # [pos + 1, head_dim]
+                v = v_cache[blocks, offsets, h // group]
+                out[t, h] = torch.softmax(k @ q[t, h] * scale, 0) @ v
+    return out
+
+
+@pytest.mark.parametrize(
+    "seq_lens, q_lens, num_heads, num_kv_heads",
+    [
+        ([9, 40, 17, 3], [1, 1, 1, 1], 4, 2),  # decodes of different lengths
+        ([21, 12], [4, 4], 8, 1),  # verifications of 3 drafts
+        ([30, 9, 16, 50], [2, 1, 5, 20], 4, 4),  # padded short queries beside a long chunk
+        ([19, 19], [19, 0], 6, 2),  # a whole prompt and a request with nothing this step
+    ],
+)
+def test_reference_matches_the_formula(make_paged_batch, seq_lens, q_lens, num_heads, num_kv_heads):
+    batch = make_paged_batch(seq_lens, q_lens, num_heads, num_kv_heads, 16, 8, torch.float64)
+    batch = type(batch)(*(x.cpu() if isinstance(x, torch.Tensor) else x for x in
+                          (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens,
+                           batch.block_tables, batch.max_seqlen_q, batch.max_seqlen_k)))
+    got = paged_attention_ref(*batch.args(), 0.3)
+    torch.testing.assert_close(got, _attention_by_formula(*batch.args(), 0.3), atol=1e-12, rtol=1e-12)

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.rotary import apply_rotary, apply_rotary_ref
+
+
+def _tables(max_positions: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize(
+    "num_tokens, num_heads, num_kv_heads, head_dim, dtype",
+    [
+        (6, 6, 2, 64, torch.float32),
+        (11, 32, 8, 128, torch.bfloat16),
+        (4, 4, 4, 32, torch.float16),
+        (3, 12, 2, 80, torch.float32),  # head_dim not a power of two
+        (0, 4, 2, 64, torch.float32),
+    ],
+)
+def test_rotary_matches_reference_on_packed_qkv(device, rng, tolerances, num_tokens, num_heads, num_kv_heads,
+                                               head_dim, dtype):
+    """q and k as views of one packed QKV projection output, the way the model passes them."""
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=rng).to(dtype)
+    q, k, _ = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    positions = torch.randint(0, 500, (num_tokens,), generator=rng)
+    cos, sin = _tables(512, head_dim)
+    q_ref, k_ref = apply_rotary_ref(q.double(), k.double(), positions, cos.double(), sin.double())
+    dev = qkv.to(device)
+    q_dev, k_dev, _ = dev.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    q_out, k_out = apply_rotary(q_dev, k_dev, positions.to(device), cos.to(device), sin.to(device))
+    for got, expected in ((q_out, q_ref), (k_out, k_ref)):
+        assert got.dtype == dtype and got.shape == expected.shape
+        torch.testing.assert_close(got.cpu().double(), expected, **tolerances[dtype])
+    torch.testing.assert_close(qkv, dev.cpu())  # inputs untouched
+
+
+def test_rotary_position_zero_is_identity(device, rng):
+    q = torch.randn(3, 4, 64, generator=rng)
+    k = torch.randn(3, 2, 64, generator=rng)
+    cos, sin = _tables(16, 64)
+    q_out, k_out = apply_rotary(q.to(device), k.to(device), torch.zeros(3, dtype=torch.int64, device=device),
+                                cos.to(device), sin.to(device))
+    torch.testing.assert_close(q_out.cpu(), q)
+    torch.testing.assert_close(k_out.cpu(), k)
+
+
+def test_rotary_rejects_bad_arguments(device):
+    cos, sin = _tables(16, 64)
+    q, k = torch.zeros(2, 4, 64, device=device), torch.zeros(2, 2, 64, device=device)
+    with pytest.raises(ValueError, match="must agree"):
+        apply_rotary(q, k[:1], torch.zeros(2, dtype=torch.int64, device=device), cos.to(device), sin.to(device))
+    with pytest.raises(ValueError, match="float32"):
+        apply_rotary(q, k, torch.zeros(2, dtype=torch.int64, device=device), cos.double().to(device), sin.to(device))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        apply_rotary(q, k, torch.zeros(2, device=device), cos.to(device), sin.to(device))
