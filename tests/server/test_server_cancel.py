@@ -57,7 +57,7 @@ def test_cancelling_an_engine_stream_frees_its_blocks(server, tokenizer):
     for _ in range(3):
         result, error = responses.get(timeout=120)
         assert error is None
-    during = server.metrics()
+    during = server.wait_for_metrics(lambda s: s["specserve_num_requests_running"] == 1)  # gauges lag a poll
     assert during["specserve_num_requests_running"] == 1
     assert during["specserve_kv_cache_free_blocks"] < during["specserve_kv_cache_total_blocks"]
     client.stop_stream(cancel_requests=True)
@@ -68,6 +68,43 @@ def test_cancelling_an_engine_stream_frees_its_blocks(server, tokenizer):
     assert after[LENGTH] == before[LENGTH]  # it did not run to max_tokens
     assert after["specserve_generation_tokens_total"] - before["specserve_generation_tokens_total"] < max_tokens
     assert _idle(after)
+
+
+def test_cancelling_many_engine_streams_aborts_every_one(server, tokenizer):
+    """More requests than one cancellation poll checks: polls take turns until all are found."""
+    prompt_ids, max_tokens = _long_request_tokens(server, tokenizer)
+    before = server.wait_for_metrics(_idle)
+    params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    inputs = [
+        _tensor("input_ids", np.array(prompt_ids, dtype=np.int32), "INT32"),
+        _tensor("sampling_params", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
+        _tensor("request_options", np.array([b'{"stream": true}'], dtype=np.object_), "BYTES"),
+    ]
+    num_requests = 40
+    started: set[str] = set()
+    first_tokens: queue.SimpleQueue = queue.SimpleQueue()  # request id, or the error before any cancel
+
+    def on_response(result, error):
+        if error is not None:  # expected once the stream is cancelled
+            first_tokens.put(error)
+            return
+        request_id = result.get_response().id
+        if request_id not in started:
+            started.add(request_id)
+            first_tokens.put(request_id)
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=on_response)
+    for i in range(num_requests):
+        client.async_stream_infer("llm_engine", inputs, request_id=f"many-{i}", enable_empty_final_response=True)
+    for _ in range(num_requests):
+        assert isinstance(first_tokens.get(timeout=120), str)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+    after = server.wait_for_metrics(lambda s: _idle(s) and s[ABORTED] >= before[ABORTED] + num_requests)
+    assert after[ABORTED] == before[ABORTED] + num_requests
+    assert after[LENGTH] == before[LENGTH]
 
 
 def test_server_serves_after_a_cancel(server):
@@ -91,7 +128,7 @@ def test_cancelling_an_llm_bls_stream_aborts_the_engine_request(server, tokenize
     )
     for _ in range(3):
         next(chunks)
-    during = server.metrics()
+    during = server.wait_for_metrics(lambda s: s["specserve_num_requests_running"] == 1)  # gauges lag a poll
     assert during["specserve_num_requests_running"] == 1
     assert during["specserve_kv_cache_free_blocks"] < during["specserve_kv_cache_total_blocks"]
     chunks.close()
