@@ -8,6 +8,9 @@ draft's KV is valid up to the target's num_computed_tokens at most.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 from backend.model_runner import ModelRunner, StepInput
@@ -20,12 +23,17 @@ class DraftProposer:
         self.runner = runner
         self.generator = generator
 
-    def propose(self, requests: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def propose(
+        self, requests: list[Request], ks: list[int], clock: Callable[[int, int, int, float], None] | None = None
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
         """k_r draft tokens per request and the draft distributions they were drawn from (None for
-        a greedy request: its verification compares argmaxes and needs no distribution)."""
+        a greedy request: its verification compares argmaxes and needs no distribution).
+        clock(j, num_tokens, num_requests, start time) is called after the j-th forward and its
+        sampling."""
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         for j in range(max(ks)):
+            started = time.perf_counter()
             active = [i for i, k in enumerate(ks) if k > j]
             step = StepInput([], [], [], [])
             for i in active:
@@ -51,4 +59,6 @@ class DraftProposer:
                 tokens[i].append(new[row_idx])
                 if not requests[i].params.greedy:
                     probs[i].append(q[row_idx])
+            if clock is not None:
+                clock(j, sum(len(t) for t in step.token_ids), len(active), started)
         return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]

@@ -330,6 +330,7 @@ class LLMEngine:
         )
         if finished:
             del self.requests[rid], self.detokenizers[rid], self.num_tokens_emitted[rid]
+            self.speculator.forget(request)
         return out
 
     def stats(self) -> EngineStats:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.sampler import SamplingRow, exponential_noise, uniform_noise
+from backend.sampler import SamplingRow, inverse_cdf, uniform_noise
 
 
 @dataclass(slots=True)
@@ -59,6 +59,5 @@ def verify(
         dist = residual / total if total > 0 else target_probs[n]
     else:
         dist = target_probs[k]
-    noise = exponential_noise(rows[n : n + 1], (1, dist.shape[0]), dist.device, generator)
-    last = int((dist[None, :] / noise).argmax(-1))
+    last = int(inverse_cdf(dist[None, :], rows[n : n + 1], generator)[0])
     return Verdict(n, draft_tokens[:n] + [last])

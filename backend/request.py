@@ -55,7 +55,6 @@ class Request:
     # speculative decoding counters
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    acceptance_rate: float = 0.7  # moving average, prior before any measurement
     num_preemptions: int = 0
     error: str | None = None
 

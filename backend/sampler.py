@@ -3,7 +3,7 @@
 Each row of the logits belongs to one request (and, when verifying draft tokens, one position:
 `extra_output` holds the draft tokens before it, counted as output for penalties and min_tokens).
 Random draws come from the request's own generator when it has a seed, so its tokens do not
-depend on its batch-mates. Sampling is exact: argmax(p / E) with E ~ Exp(1) draws from p.
+depend on its batch-mates. Sampling is exact: inverse-CDF sampling, one uniform draw per token.
 """
 from __future__ import annotations
 
@@ -84,15 +84,6 @@ def probs_from_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     return probs
 
 
-def exponential_noise(rows: list[SamplingRow], shape: tuple[int, int], device, generator) -> torch.Tensor:
-    """Exp(1) noise per row; a seeded request's rows come from its own generator, in row order."""
-    noise = torch.empty(shape, device="cpu").exponential_(generator=generator)
-    for i, row in enumerate(rows):
-        if row.request.generator is not None:
-            noise[i].exponential_(generator=row.request.generator)
-    return noise.to(device)
-
-
 def uniform_noise(rows: list[SamplingRow], device, generator) -> torch.Tensor:
     """One U(0, 1) draw per row, from the request's generator when it has a seed."""
     u = torch.rand(len(rows), generator=generator)
@@ -100,6 +91,15 @@ def uniform_noise(rows: list[SamplingRow], device, generator) -> torch.Tensor:
         if row.request.generator is not None:
             u[i] = torch.rand(1, generator=row.request.generator)[0]
     return u.to(device)
+
+
+def inverse_cdf(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator) -> torch.Tensor:
+    """One token per row drawn from its distribution (rows need not sum to 1): the token whose
+    cumulative-probability interval holds u * total. One uniform per row, whatever the vocabulary;
+    a zero-probability token has an empty interval and is never drawn. [num_rows] int64."""
+    cdf = probs.double().cumsum(-1)
+    x = uniform_noise(rows, probs.device, generator).double() * cdf[:, -1]
+    return torch.searchsorted(cdf, x[:, None], right=True).squeeze(1).clamp_max(probs.shape[1] - 1)
 
 
 def sample_from_probs(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator) -> torch.Tensor:
@@ -110,8 +110,7 @@ def sample_from_probs(probs: torch.Tensor, rows: list[SamplingRow], generator: t
         return tokens
     sampled_rows = [r for r, g in zip(rows, greedy) if not g]
     idx = torch.tensor([i for i, g in enumerate(greedy) if not g], device=probs.device)
-    noise = exponential_noise(sampled_rows, (len(sampled_rows), probs.shape[1]), probs.device, generator)
-    tokens[idx] = (probs[idx] / noise).argmax(-1)
+    tokens[idx] = inverse_cdf(probs[idx], sampled_rows, generator)
     return tokens
 
 

@@ -1,16 +1,25 @@
 """Adaptive speculation length: how many draft tokens each request gets this step.
 
-With acceptance rate a (per draft token) and k draft tokens, a step yields on average
+With acceptance rate a (per draft token, each accepted independently) and k draft tokens, a step
+yields on average
     E(k) = (1 - a^(k+1)) / (1 - a)
 tokens. If a draft forward costs c target forwards and verifying k + 1 tokens costs what one
 does (memory-bound decoding), the speedup is
     S(k) = (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+Measured acceptance is not independent (a draft that got one token right tends to get the next
+right too), so the controller does not extrapolate from one rate: it measures survival,
+s_i = P(the first i draft tokens are all accepted), and uses E(k) = 1 + s_1 + ... + s_k. Each
+request has its own survival counts (recent verifications weigh more), shrunk toward the batch's
+curve, so a new request starts from the batch's experience and one that sits out drifts back to
+it and is tried again.
 Under load a forward is no longer free in the number of tokens (on a CPU it never is), so the
 controller measures both models' step times as a line in the number of tokens, T(n) = t0 + t1 n,
-and picks the k that maximises tokens per second for the whole batch:
-    sum_r E_r(k_r) / (T_target(sum_r (1 + k_r)) + k T_draft(R)),
-with each request's k_r capped where its own S(k) stops improving. k = 0 when nothing pays:
-then no draft work is done at all, so speculation never makes a loaded server slower.
+the draft's first forward of a step (which catches up on the tokens the last step accepted, about
+E_r tokens per request) as a line in its tokens, and each further draft forward as a line in the
+number of requests R, and picks the k that maximises tokens per second for the whole batch:
+    sum_r E_r(k_r) / (T_target(sum_r (1 + k_r)) + T_draft_first(sum_r E_r) + (k - 1) T_draft(R)),
+with each request's k_r capped where its own E_r(k) / (1 + T_draft(k) / T_target) stops improving. k = 0 when
+nothing pays: then no draft work is done at all, so speculation never makes a server slower.
 """
 from __future__ import annotations
 
@@ -20,26 +29,46 @@ import numpy as np
 
 from backend.request import Request
 
-EMA = 0.2  # weight of the newest step in a request's acceptance rate
-A_MAX = 0.98  # acceptance is clipped below 1 so E(k) stays finite and k stays bounded
+A_MAX = 0.98  # the formula's acceptance is clipped below 1 so E(k) stays finite
+ACCEPTANCE_PRIOR = 0.7  # survival s_i = 0.7^i before anything is measured ...
+PRIOR_COUNT = 2.0  # ... worth this many verifications
+SHRINK_COUNT = 4.0  # a request's curve counts the batch's as this many of its own verifications
+REQUEST_DECAY = 0.95  # per verification (or step sat out), weight kept by a request's older counts
+BATCH_DECAY = 0.99  # per verification, weight kept by the batch's older counts
 
 
 class LinearCost:
-    """Seconds per forward as t0 + t1 * num_tokens, fitted over the latest samples."""
+    """Seconds per forward as t0 + t1 * num_tokens: a least-squares line over the latest samples,
+    kept as running sums so that adding a sample costs O(1)."""
 
     def __init__(self, window: int = 200):
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.samples: deque[tuple[int, float]] = deque()
+        self.window = window
+        self.sums = [0.0] * 5  # count, sum n, sum t, sum n^2, sum n t
         self.t0, self.t1 = 0.0, 0.0
+
+    def _accumulate(self, n: float, t: float, sign: float) -> None:
+        for i, value in enumerate((1.0, n, t, n * n, n * t)):
+            self.sums[i] += sign * value
 
     def add(self, num_tokens: int, seconds: float) -> None:
         self.samples.append((num_tokens, seconds))
-        n = np.array([s[0] for s in self.samples], dtype=float)
-        t = np.array([s[1] for s in self.samples], dtype=float)
-        if len(set(n.tolist())) >= 2:
-            t1, t0 = np.polyfit(n, t, 1)
-            self.t0, self.t1 = max(float(t0), 0.0), max(float(t1), 0.0)
+        self._accumulate(num_tokens, seconds, 1.0)
+        if len(self.samples) > self.window:
+            self._accumulate(*self.samples.popleft(), -1.0)
+        count, sn, st, snn, snt = self.sums
+        spread = count * snn - sn * sn  # count^2 * variance of n: 0 when every n is the same
+        if spread > 1e-9 * max(count * snn, 1.0):
+            t1 = (count * snt - sn * st) / spread
+            self.t0, self.t1 = max((st - t1 * sn) / count, 0.0), max(t1, 0.0)
         else:
-            self.t0, self.t1 = float(t.mean()), 0.0
+            self.t0, self.t1 = st / count, 0.0
+
+    def pop(self) -> tuple[int, float]:
+        """Remove and return the newest sample."""
+        n, t = self.samples.pop()
+        self._accumulate(n, t, -1.0)
+        return n, t
 
     @property
     def ready(self) -> bool:
@@ -58,42 +87,95 @@ def speedup(a: float, k: int, c: float) -> float:
     return expected_tokens(a, k) / (k * c + 1)
 
 
+class Survival:
+    """Decayed counts, per draft position i: verifications that drafted it, and how many of
+    those accepted every token up to and including it."""
+
+    def __init__(self, max_k: int):
+        self.reached = np.zeros(max_k)
+        self.survived = np.zeros(max_k)
+
+    def add(self, num_draft: int, num_accepted: int, decay: float) -> None:
+        self.reached *= decay
+        self.survived *= decay
+        self.reached[:num_draft] += 1
+        self.survived[:num_accepted] += 1
+
+    def curve(self, prior: np.ndarray | None, prior_count: float) -> np.ndarray:
+        """s_1..s_max_k: the counts shrunk toward a prior curve, never rising with i. Without a
+        prior curve, position 1's prior is ACCEPTANCE_PRIOR and each later position's continues
+        the previous conditional rate s_i / s_(i-1): a position rarely drafted is judged by the
+        ones before it, not by a constant that would keep it from ever being drafted."""
+        s = np.empty_like(self.reached)
+        previous, conditional = 1.0, ACCEPTANCE_PRIOR
+        for i in range(len(s)):
+            guess = prior[i] if prior is not None else previous * conditional
+            s[i] = min((self.survived[i] + prior_count * guess) / (self.reached[i] + prior_count), previous)
+            conditional = s[i] / previous if previous > 0 else 0.0
+            previous = s[i]
+        return s
+
+
 class SpecController:
     def __init__(self, max_k: int, adaptive: bool = True):
         self.max_k = max_k
         self.adaptive = adaptive
-        self.target_cost = LinearCost()
-        self.draft_cost = LinearCost()
+        self.target_cost = LinearCost()  # seconds per target forward, by tokens in it
+        self.draft_first_cost = LinearCost()  # a step's first draft forward (catch-up), by tokens
+        self.draft_cost = LinearCost()  # each further draft forward, by requests
+        self.batch_survival = Survival(max_k)
+        self.survival: dict[str, Survival] = {}  # request id -> its own counts
+
+    def expected_tokens(self, request: Request) -> np.ndarray:
+        """E(0..max_k) for this request: 1 + its survival curve's running sum."""
+        batch = self.batch_survival.curve(None, PRIOR_COUNT)
+        own = self.survival.get(request.request_id)
+        curve = batch if own is None else own.curve(batch, SHRINK_COUNT)
+        return np.concatenate(([1.0], 1.0 + np.cumsum(curve)))
 
     def plan(self, requests: list[Request]) -> list[int]:
         """k per request (same order); 0 means this request does not speculate this step."""
         if not requests or self.max_k == 0:
             return [0] * len(requests)
-        if not self.adaptive or not (self.target_cost.ready and self.draft_cost.ready):
+        costs = (self.target_cost, self.draft_first_cost, self.draft_cost)
+        if not self.adaptive or not all(cost.ready for cost in costs):
             return [self.max_k] * len(requests)
         num = len(requests)
-        c = self.draft_cost(num) / max(self.target_cost(num), 1e-9)
-        caps = [self._own_best_k(r.acceptance_rate, c) for r in requests]
+        expected = [self.expected_tokens(r) for r in requests]
+        # the first draft forward catches up on what the last step accepted: about E(k) tokens each
+        catch_up = sum(float(e[-1]) for e in expected)
+        # the draft's seconds for k = 0..max_k, relative to a target forward
+        draft_seconds = np.array([self.draft_seconds(num, k, catch_up) for k in range(self.max_k + 1)])
+        relative = draft_seconds / max(self.target_cost(num), 1e-9)
+        caps = [int(np.argmax(e / (1 + relative))) for e in expected]
+        for r, cap in zip(requests, caps):
+            own = self.survival.get(r.request_id)
+            if cap == 0 and own is not None:  # sitting out, it measures nothing: fade its counts
+                own.add(0, 0, REQUEST_DECAY)
         best_ks, best_rate = [0] * num, num / max(self.target_cost(num), 1e-9)
         for k in range(1, self.max_k + 1):
             ks = [min(k, cap) for cap in caps]
-            tokens = sum(expected_tokens(r.acceptance_rate, kr) for r, kr in zip(requests, ks))
-            seconds = self.target_cost(num + sum(ks)) + max(ks) * self.draft_cost(num)
+            tokens = sum(e[kr] for e, kr in zip(expected, ks))
+            seconds = self.target_cost(num + sum(ks)) + draft_seconds[max(ks)]
             rate = tokens / max(seconds, 1e-9)
             if rate > best_rate:
                 best_ks, best_rate = ks, rate
         return best_ks
 
-    def _own_best_k(self, a: float, c: float) -> int:
-        scores = [speedup(a, k, c) for k in range(self.max_k + 1)]
-        return int(np.argmax(scores))
+    def draft_seconds(self, num_requests: int, k: int, catch_up_tokens: float) -> float:
+        if k == 0:
+            return 0.0
+        return self.draft_first_cost(catch_up_tokens) + (k - 1) * self.draft_cost(num_requests)
 
-    @staticmethod
-    def observe(request: Request, num_draft: int, num_accepted: int) -> None:
-        """Update the request's acceptance rate after a verification. The walk stops at the first
-        rejection, so a step is n successes and (n < k) failures of a per-token coin."""
-        if num_draft:
-            trials = num_accepted + (1 if num_accepted < num_draft else 0)
-            request.acceptance_rate = (1 - EMA) * request.acceptance_rate + EMA * num_accepted / trials
-            request.num_draft_tokens += num_draft
-            request.num_accepted_tokens += num_accepted
+    def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        """Count a verification: num_draft tokens drafted, the first num_accepted kept."""
+        if not num_draft:
+            return
+        self.batch_survival.add(num_draft, num_accepted, BATCH_DECAY)
+        own = self.survival.setdefault(request.request_id, Survival(self.max_k))
+        own.add(num_draft, num_accepted, REQUEST_DECAY)
+        request.num_draft_tokens += num_draft
+        request.num_accepted_tokens += num_accepted
+
+    def forget(self, request: Request) -> None:
+        self.survival.pop(request.request_id, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -20,38 +21,69 @@ from backend.scheduler import ScheduledBatch
 from backend.spec_controller import LinearCost, SpecController
 
 
-EXPLORE_EVERY = 16  # steps: how often the mode that looks worse is tried again
-RATE_EMA = 0.1  # weight of the newest step in a measured decode rate
+EXPLORE_EVERY = 32  # steps before the mode that looks worse is tried again ...
+EXPLORE_STEPS = 4  # ... for this many steps in a row (one speculative step's yield is too noisy);
+MAX_EXPLORE_EVERY = 128  # each burst that confirms the choice doubles the wait, up to this
+WARMUP_SAMPLES = 4  # steps of each mode measured (alternating) before the rates are compared
+DECAY = 0.9  # per step measured in a mode, weight kept by that mode's earlier steps
+
+
+@dataclass(slots=True)
+class _Bucket:
+    steps: int = 0  # decisions made for this batch-size bucket
+    explore_at: int = EXPLORE_EVERY  # step at which the next exploration burst starts
+    interval: int = EXPLORE_EVERY
+    preferred: bool = True  # the choice when the current burst started
 
 
 class ModeChooser:
     """Measures what speculation actually buys: decode-only steps' output tokens per second with
-    speculation and without, per batch-size bucket (moving averages), and picks the faster mode,
-    trying the other one every EXPLORE_EVERY steps. It catches every cost the S(k) model leaves
-    out (verification bookkeeping, draft catch-up), so a loaded server does not get slower."""
+    speculation and without, per batch-size bucket, and picks the faster mode. The other mode is
+    tried again in bursts of EXPLORE_STEPS steps; a burst that confirms the choice doubles the
+    wait before the next (a settled choice costs little exploration), one that overturns it
+    resets the wait. It catches every cost the S(k) model leaves out (verification bookkeeping,
+    draft catch-up), so a loaded server does not get slower. A rate is decayed tokens over
+    decayed seconds (not an average of per-step rates, which a speculative step's 1-or-k+1
+    tokens would bias)."""
 
     def __init__(self) -> None:
-        self.rates: dict[tuple[bool, int], float] = {}  # (speculating, bucket) -> tokens/s
-        self.steps = 0
+        self.totals: dict[tuple[bool, int], list[float]] = {}  # (speculating, bucket) -> [tokens, seconds]
+        self.samples: dict[tuple[bool, int], int] = {}  # (speculating, bucket) -> steps measured
+        self.buckets: dict[int, _Bucket] = {}
 
     @staticmethod
     def bucket(num_requests: int) -> int:
         return max(num_requests, 1).bit_length()  # 1, 2-3, 4-7, ...
 
+    def rate(self, speculating: bool, num_requests: int) -> float | None:
+        totals = self.totals.get((speculating, self.bucket(num_requests)))
+        return None if totals is None else totals[0] / max(totals[1], 1e-9)
+
     def speculate(self, num_requests: int) -> bool:
-        self.steps += 1
         b = self.bucket(num_requests)
-        on, off = self.rates.get((True, b)), self.rates.get((False, b))
-        if on is None or off is None:
-            return on is None  # measure both first
-        better = on >= off
-        return better if self.steps % EXPLORE_EVERY else not better
+        n_on, n_off = self.samples.get((True, b), 0), self.samples.get((False, b), 0)
+        if min(n_on, n_off) < WARMUP_SAMPLES:  # one noisy step decides nothing: alternate first
+            return n_on <= n_off
+        state = self.buckets.setdefault(b, _Bucket())
+        state.steps += 1
+        better = self.rate(True, num_requests) >= self.rate(False, num_requests)
+        burst_end = state.explore_at + EXPLORE_STEPS
+        if state.steps == state.explore_at:
+            state.preferred = better
+        if state.explore_at <= state.steps < burst_end:
+            return not state.preferred
+        if state.steps == burst_end:
+            confirmed = better == state.preferred
+            state.interval = min(2 * state.interval, MAX_EXPLORE_EVERY) if confirmed else EXPLORE_EVERY
+            state.explore_at = state.steps + state.interval
+        return better
 
     def observe(self, speculating: bool, num_requests: int, num_tokens: int, seconds: float) -> None:
         key = (speculating, self.bucket(num_requests))
-        rate = num_tokens / max(seconds, 1e-9)
-        old = self.rates.get(key)
-        self.rates[key] = rate if old is None else (1 - RATE_EMA) * old + RATE_EMA * rate
+        totals = self.totals.setdefault(key, [0.0, 0.0])
+        totals[0] = DECAY * totals[0] + num_tokens
+        totals[1] = DECAY * totals[1] + seconds
+        self.samples[key] = self.samples.get(key, 0) + 1
 
 
 class Speculator:
@@ -73,6 +105,18 @@ class Speculator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         cost.add(num_tokens, time.perf_counter() - started)
+
+    def _clock_draft_forward(self, index: int, num_tokens: int, num_requests: int, started: float) -> None:
+        """Called after each draft forward (and its sampling) of a step. The first one catches up
+        on every token the draft has not seen (the last step's accepted and bonus tokens, or a
+        whole prompt), so its cost model is by tokens; the others compute one token per request."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        if index == 0:
+            self.controller.draft_first_cost.add(num_tokens, seconds)
+        else:
+            self.controller.draft_cost.add(num_requests, seconds)
 
     def reserve(self, running: list[Request], max_model_len: int) -> None:
         """Choose k per decoding request and reserve room for its draft tokens."""
@@ -114,11 +158,7 @@ class Speculator:
                 r.num_lookahead_tokens, r.spec_token_ids = 0, []
         if not to_draft:
             return {}
-        with self.timed(self.controller.draft_cost, len(to_draft)):
-            proposals = self.proposer.propose(to_draft, ks)
-        # the cost model is per draft forward: spread the k forwards' time
-        n, seconds = self.controller.draft_cost.samples.pop()
-        self.controller.draft_cost.add(n, seconds / max(ks))
+        proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward)
         probs = {}
         for r, (tokens, q) in zip(to_draft, proposals):
             r.spec_token_ids = tokens
@@ -133,6 +173,10 @@ class Speculator:
         if any(n != 1 + k for n, k in zip(batch.num_scheduled_tokens, lookahead)):
             return
         self.modes.observe(any(lookahead), len(batch.requests), num_new_tokens, seconds)
+
+    def forget(self, request: Request) -> None:
+        """The request finished: drop what was measured about it."""
+        self.controller.forget(request)
 
     def record(self, request: Request, k: int, num_accepted: int) -> None:
         self.controller.observe(request, k, num_accepted)

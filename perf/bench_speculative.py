@@ -6,12 +6,13 @@ the n-gram proposer with adaptive k. Printed per row: generated tokens/s, speedu
 speculation in the same run, acceptance rate, mean tokens per verification step, and the speedup
 S(k) = (1 - a^(k+1)) / ((1 - a)(k c + 1)) predicts from the measured a and c.
 
-    python perf/bench_speculative.py                  # batch 1, 32, 64; T = 0 and 0.7
+    python perf/bench_speculative.py                  # batch 1, 32, 64; T = 0 and 0.7; 3 rounds
     python perf/bench_speculative.py --batch-sizes 1 --max-tokens 64
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,13 +60,24 @@ def measure_c(engine: LLMEngine) -> float:
     return dc(1) / tc(1) if tc.ready and dc.ready else float("nan")
 
 
+def verification_steps(engine: LLMEngine) -> int:
+    """Request-steps that verified at least one draft token so far."""
+    proposed = engine.speculator.proposed_per_position
+    return proposed[0] if proposed else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 64])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--requests-per-slot", type=int, default=2, help="requests = batch size x this (min 4)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds; each runs every method once, in turn, so load on a shared host hits all alike")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared CPU)")
+    ap.add_argument("--dtype", default="bfloat16", help="target weights and KV")
+    ap.add_argument("--draft-dtype", default="float32", help="draft weights and KV (a tiny draft is faster in "
+                    "float32 on a CPU)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,43 +87,50 @@ def main() -> None:
     for name in args.methods:
         engines[name] = LLMEngine(EngineConfig(
             model=str(DEFAULT_TARGET), draft_model=str(DEFAULT_DRAFT), num_threads=args.threads,
-            max_num_seqs=max(args.batch_sizes), **METHODS[name]))
+            max_num_seqs=max(args.batch_sizes), dtype=args.dtype, draft_dtype=args.draft_dtype, **METHODS[name]))
     rows = []
     cases = [(b, t) for b in args.batch_sizes for t in args.temperatures]
-    bar = tqdm(total=len(cases) * len(args.methods), desc="runs")
+    bar = tqdm(total=len(cases) * len(args.methods) * args.repeats, desc="runs")
     for batch_size, temperature in cases:
         n = max(4, batch_size * args.requests_per_slot)
         prompts = code_prompts(tokenizer, n, 64, 192, seed=batch_size)
-        base = None
+        for engine in engines.values():
+            run(engine, prompts[:2], 8, temperature, 2)  # warm-up
+        rates = {name: [] for name in args.methods}
+        ratios = {name: [] for name in args.methods}
+        spec = {name: [0, 0, 0] for name in args.methods}  # draft tokens, accepted, verification steps
+        for _ in range(args.repeats):
+            for name in args.methods:
+                engine = engines[name]
+                s0, steps0 = engine.stats(), verification_steps(engine)
+                seconds, tokens = run(engine, prompts, args.max_tokens, temperature, batch_size)
+                s1, steps1 = engine.stats(), verification_steps(engine)
+                spec[name][0] += s1.spec_draft_tokens_total - s0.spec_draft_tokens_total
+                spec[name][1] += s1.spec_accepted_tokens_total - s0.spec_accepted_tokens_total
+                spec[name][2] += steps1 - steps0
+                rates[name].append(tokens / seconds)
+                bar.update()
+            for name in args.methods:
+                ratios[name].append(rates[name][-1] / rates[args.methods[0]][-1])
         for name in args.methods:
             engine = engines[name]
-            run(engine, prompts[:2], 8, temperature, 2)  # warm-up
-            s0 = engine.stats()
-            seconds, tokens = run(engine, prompts, args.max_tokens, temperature, batch_size)
-            s1 = engine.stats()
-            draft = s1.spec_draft_tokens_total - s0.spec_draft_tokens_total
-            accepted = s1.spec_accepted_tokens_total - s0.spec_accepted_tokens_total
-            rate = tokens / seconds
-            base = base or rate
+            draft, accepted, steps = spec[name]
             a = accepted / draft if draft else float("nan")
             k = engine.config.num_speculative_tokens if name == "draft k=3" else None
             c = measure_c(engine)
             predicted = speedup(a, k, c) if k and draft and c == c else float("nan")
-            steps = engine.speculator.proposed_per_position[0] if draft else 0
-            rows.append((batch_size, temperature, name, rate, rate / base, a, accepted / max(steps, 1) + 1 if draft else 1.0,
-                         predicted, c))
-            bar.update()
-            for engine_ in engines.values():
-                engine_.speculator.proposed_per_position = [0] * engine_.config.num_speculative_tokens
+            rows.append((batch_size, temperature, name, statistics.median(rates[name]), statistics.median(ratios[name]),
+                         min(ratios[name]), max(ratios[name]), a, accepted / steps + 1 if steps else 1.0, predicted, c))
     bar.close()
-    print(f"\ndefault pair, {args.max_tokens} new tokens per request, prompts 64-192 tokens of held-out code,"
-          f" {args.threads} torch thread(s)\n")
-    print("| batch | T | method | tok/s | vs none | acceptance | tokens/verify step | S(k) predicted | c |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for b, t, name, rate, ratio, a, mean_len, pred, c in rows:
+    print(f"\ndefault pair, {args.max_tokens} new tokens per request, prompts 64-192 tokens of held-out code, "
+          f"target {args.dtype}, draft {args.draft_dtype}, {args.threads} torch thread(s), median of {args.repeats} "
+          f"interleaved rounds (vs first method in the same round)\n")
+    print("| batch | T | method | tok/s | vs none | range | acceptance | tokens/verify step | S(k) predicted | c |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for b, t, name, rate, ratio, lo, hi, a, mean_len, pred, c in rows:
         fmt = lambda x, f: "-" if x != x else format(x, f)  # noqa: E731
-        print(f"| {b} | {t} | {name} | {rate:.1f} | {ratio:.2f}x | {fmt(a, '.2f')} | {mean_len:.2f} | "
-              f"{fmt(pred, '.2f')} | {fmt(c, '.2f')} |")
+        print(f"| {b} | {t} | {name} | {rate:.1f} | {ratio:.2f}x | {lo:.2f}-{hi:.2f} | {fmt(a, '.2f')} | "
+              f"{mean_len:.2f} | {fmt(pred, '.2f')} | {fmt(c, '.2f')} |")
 
 
 if __name__ == "__main__":

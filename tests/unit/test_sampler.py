@@ -78,6 +78,23 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(freq, probs, atol=0.03)
 
 
+def test_inverse_cdf_draws_exactly_and_never_a_zero_probability_token():
+    """Unnormalised rows with zeros at both ends and inside; frequencies pass a chi-square test."""
+    from scipy.stats import chisquare
+
+    from backend.sampler import inverse_cdf
+
+    weights = torch.tensor([0.0, 2.0, 0.0, 1.0, 5.0, 0.0, 0.5, 1.5, 0.0])
+    n = 20000
+    tokens = inverse_cdf(weights.repeat(n, 1), [row(temperature=1.0) for _ in range(n)],
+                         torch.Generator().manual_seed(7))
+    counts = torch.bincount(tokens, minlength=len(weights))
+    assert counts[weights == 0].sum() == 0
+    nonzero = weights > 0
+    expected = (weights[nonzero] / weights.sum() * n).numpy()
+    assert chisquare(counts[nonzero].numpy(), expected).pvalue > 1e-3
+
+
 def test_logprobs_chosen_and_top():
     _, lps = Sampler()(LOGITS.clone(), [row(temperature=0.0, logprobs=2)])
     assert lps[0]["token_id"] == 0

@@ -1,10 +1,11 @@
 """Adaptive speculation: the S(k) model and the measured on/off choice."""
+import numpy as np
 import pytest
 
 from backend.request import Request
 from backend.sampling_params import SamplingParams
-from backend.spec_controller import SpecController, expected_tokens, speedup
-from backend.speculator import EXPLORE_EVERY, ModeChooser
+from backend.spec_controller import SpecController, Survival, expected_tokens, speedup
+from backend.speculator import EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, WARMUP_SAMPLES, ModeChooser
 
 
 def test_formula_values():
@@ -14,10 +15,14 @@ def test_formula_values():
     assert speedup(0.1, 1, 0.5) < 1  # a poor draft does not pay
 
 
-def _requests(n, a):
+def _requests(c: SpecController, n: int, a: float, verifications: int = 200) -> list[Request]:
+    """n requests whose every verification so far accepted each draft token with rate a, counted
+    in expectation (survival a^i), the batch's curve the same."""
     reqs = [Request(str(i), [1], SamplingParams()) for i in range(n)]
-    for r in reqs:
-        r.acceptance_rate = a
+    curve = a ** np.arange(1, c.max_k + 1)
+    for survival in [c.batch_survival] + [c.survival.setdefault(r.request_id, Survival(c.max_k)) for r in reqs]:
+        survival.reached[:] = verifications
+        survival.survived[:] = verifications * curve
     return reqs
 
 
@@ -25,34 +30,140 @@ def _controller(target_t0, target_t1, draft_t0):
     c = SpecController(max_k=4)
     for n in (1, 64, 128):
         c.target_cost.add(n, target_t0 + target_t1 * n)
+        c.draft_first_cost.add(n, draft_t0)
         c.draft_cost.add(n, draft_t0)
     return c
 
 
 def test_good_draft_on_a_memory_bound_target_speculates():
     c = _controller(target_t0=0.010, target_t1=0.0, draft_t0=0.001)
-    assert c.plan(_requests(1, 0.8)) == [4]
+    assert c.plan(_requests(c, 1, 0.8)) == [4]
 
 
 def test_compute_bound_target_at_large_batch_turns_speculation_off():
     # every extra token costs as much as a request's whole decode: verification cannot pay
     c = _controller(target_t0=0.0, target_t1=0.001, draft_t0=0.002)
-    assert c.plan(_requests(64, 0.5)) == [0] * 64
+    assert c.plan(_requests(c, 64, 0.5)) == [0] * 64
 
 
 def test_poor_acceptance_turns_speculation_off():
     c = _controller(target_t0=0.010, target_t1=0.0, draft_t0=0.004)
-    assert c.plan(_requests(4, 0.05)) == [0] * 4
+    assert c.plan(_requests(c, 4, 0.05)) == [0] * 4
 
 
-def test_mode_chooser_follows_measured_rates_and_explores():
+def test_expected_tokens_follow_the_measured_survival_not_a_geometric_guess():
+    """Accepting the first token makes the next likelier: the curve says so, one rate cannot."""
+    c = SpecController(max_k=4)
+    (r,) = _requests(c, 1, 0.5)
+    own = c.survival[r.request_id]
+    own.reached[:], own.survived[:] = 1000, [600, 500, 450, 420]
+    assert c.expected_tokens(r) == pytest.approx([1, 1.6, 2.1, 2.55, 2.97], abs=0.01)
+
+
+def test_a_new_request_starts_from_the_batch_curve():
+    c = SpecController(max_k=3)
+    _requests(c, 2, 0.9)
+    newcomer = Request("new", [1], SamplingParams())
+    assert c.expected_tokens(newcomer) == pytest.approx(1 + np.cumsum([1, 0.9, 0.9**2, 0.9**3]) - 1, abs=0.01)
+
+
+def test_a_costly_first_draft_forward_favours_longer_drafts():
+    """The first draft forward of a step carries a fixed cost (catch-up, set-up); spreading it
+    over more draft tokens pays, which one per-forward average cannot see."""
+    def controller(first, further):
+        c = SpecController(max_k=4)
+        for n in (1, 8):
+            c.target_cost.add(n, 0.010)
+            c.draft_first_cost.add(n, first)
+            c.draft_cost.add(n, further)
+        return c
+
+    even, front_loaded = controller(0.003, 0.003), controller(0.006, 0.001)
+    assert even.plan(_requests(even, 1, 0.6)) == [1]
+    assert front_loaded.plan(_requests(front_loaded, 1, 0.6)) == [4]
+
+
+def test_survival_counts_verifications_and_forgets_finished_requests():
+    c = SpecController(max_k=3)
+    r = Request("r", [1], SamplingParams())
+    c.observe(r, 3, 1)  # first accepted, second rejected
+    c.observe(r, 2, 2)  # both accepted
+    assert c.batch_survival.reached.tolist() == pytest.approx([0.99 + 1, 0.99 + 1, 0.99])
+    assert c.batch_survival.survived.tolist() == pytest.approx([0.99 + 1, 1, 0])
+    assert (r.num_draft_tokens, r.num_accepted_tokens) == (5, 3)
+    c.forget(r)
+    assert r.request_id not in c.survival
+
+
+def test_a_request_that_sat_out_is_tried_again():
+    c = _controller(target_t0=0.010, target_t1=0.0, draft_t0=0.003)
+    _requests(c, 4, 0.5)  # the batch does fairly
+    r = Request("unlucky", [1], SamplingParams())
+    for _ in range(6):
+        c.observe(r, 3, 0)  # every first draft token rejected
+    plans = [c.plan([r])[0] for _ in range(30)]
+    assert plans[0] == 0 and max(plans) > 0  # its counts faded toward the batch's curve
+
+
+def _choices(m: ModeChooser, steps: int, observe=None) -> str:
+    out = []
+    for _ in range(steps):
+        on = m.speculate(8)
+        out.append("1" if on else "0")
+        if observe:
+            m.observe(on, 8, *observe(on))
+    return "".join(out)
+
+
+def test_mode_chooser_follows_measured_rates_and_explores_less_once_settled():
     m = ModeChooser()
-    assert m.speculate(8) is True  # nothing measured: try speculation first
-    m.observe(True, 8, 100, 1.0)
-    assert m.speculate(8) is False  # then without
-    m.observe(False, 8, 150, 1.0)
-    choices = [m.speculate(8) for _ in range(2 * EXPLORE_EVERY)]
-    assert choices.count(True) == 2  # the slower mode only on exploration steps
-    m.observe(True, 8, 1000, 1.0)  # speculation got much faster: it wins now
-    m.observe(True, 8, 1000, 1.0)
-    assert [m.speculate(8) for _ in range(EXPLORE_EVERY)].count(False) == 1
+    off_is_faster = lambda on: (100 if on else 150, 1.0)  # noqa: E731
+    assert _choices(m, 2 * WARMUP_SAMPLES, off_is_faster) == "10" * WARMUP_SAMPLES  # alternate first
+    choices = _choices(m, 9 * EXPLORE_EVERY, off_is_faster)
+    bursts = [i for i in range(len(choices)) if choices.startswith("1" * EXPLORE_STEPS, i) and (i == 0 or choices[i - 1] == "0")]
+    assert choices.count("1") == 3 * EXPLORE_STEPS  # the slower mode only in bursts ...
+    assert [b - a for a, b in zip(bursts, bursts[1:])] == [EXPLORE_STEPS + 2 * EXPLORE_EVERY,
+                                                            EXPLORE_STEPS + 4 * EXPLORE_EVERY]  # ... ever rarer
+    assert choices.endswith("0" * EXPLORE_EVERY)
+
+
+def test_mode_chooser_switches_when_the_other_mode_gets_faster():
+    m = ModeChooser()
+    _choices(m, 2 * WARMUP_SAMPLES + 200, lambda on: (100 if on else 150, 1.0))
+    choices = _choices(m, 2 * MAX_EXPLORE_EVERY, lambda on: (1000 if on else 150, 1.0))  # speculation wins now
+    assert choices.endswith("1" * EXPLORE_EVERY)
+    assert choices.count("0") < MAX_EXPLORE_EVERY
+
+
+def test_mode_chooser_rate_is_tokens_over_time_not_a_mean_of_rates():
+    m = ModeChooser()
+    m.observe(True, 1, 1, 0.9)  # a slow step that yielded 1 token
+    m.observe(True, 1, 9, 0.1)  # a fast one that yielded 9
+    assert m.rate(True, 1) == pytest.approx((0.9 * 1 + 9) / (0.9 * 0.9 + 0.1))
+
+
+def test_mode_chooser_keeps_batch_size_buckets_apart():
+    m = ModeChooser()
+    for _ in range(WARMUP_SAMPLES):
+        m.observe(True, 1, 200, 1.0)
+        m.observe(False, 1, 100, 1.0)
+        m.observe(True, 64, 100, 1.0)
+        m.observe(False, 64, 200, 1.0)
+    assert [m.speculate(1) for _ in range(EXPLORE_EVERY)].count(True) == EXPLORE_EVERY - 1
+    assert [m.speculate(64) for _ in range(EXPLORE_EVERY)].count(False) == EXPLORE_EVERY - 1
+
+
+
+def test_linear_cost_fits_the_latest_window_exactly():
+    from backend.spec_controller import LinearCost
+
+    cost = LinearCost(window=3)
+    cost.add(10, 1.0)
+    assert (cost.t0, cost.t1) == (1.0, 0.0)  # one size seen: a constant
+    for n in (1, 2, 3):  # pushes the first sample out: exactly t = 0.5 + 0.25 n
+        cost.add(n, 0.5 + 0.25 * n)
+    assert cost.t0 == pytest.approx(0.5) and cost.t1 == pytest.approx(0.25)
+    assert cost.pop() == (3, 1.25)
+    assert cost(4) == pytest.approx(1.5)  # still the same line through the two left
+
+
