@@ -62,11 +62,12 @@ class BlockManager:
         hits: list[int] = []
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            parent = self.chain_hash(parent, chunk)
-            block_id = self.hash_to_block_id.get(parent)
+            chained = self.chain_hash(parent, chunk)
+            block_id = self.hash_to_block_id.get(chained)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
             hits.append(block_id)
+            parent = chained
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -74,6 +75,7 @@ class BlockManager:
             block.ref_count += 1
         request.block_table = hits
         request.num_cached_blocks = len(hits)
+        request.cached_chain_hash = parent
         self.prefix_query_tokens += len(tokens)
         self.prefix_hit_tokens += len(hits) * self.block_size
         return len(hits) * self.block_size
@@ -87,12 +89,10 @@ class BlockManager:
         if num_full <= request.num_cached_blocks:
             return
         tokens = request.all_token_ids
-        parent: int | None = None
-        for i in range(num_full):
+        parent = request.cached_chain_hash  # the chain up to the blocks registered before
+        for i in range(request.num_cached_blocks, num_full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             parent = self.chain_hash(parent, chunk)
-            if i < request.num_cached_blocks:
-                continue
             block = self.blocks[request.block_table[i]]
             # an identical block may already be cached (computed by another request): keep it
             if block.block_hash is None and parent not in self.hash_to_block_id:
@@ -100,6 +100,7 @@ class BlockManager:
                 block.token_ids = chunk
                 self.hash_to_block_id[parent] = block.block_id
         request.num_cached_blocks = num_full
+        request.cached_chain_hash = parent
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, request: Request, num_tokens: int) -> bool:
@@ -132,6 +133,7 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         request.block_table = []
         request.num_cached_blocks = 0
+        request.cached_chain_hash = None
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Free the blocks past those needed for `num_tokens` (after rejected draft tokens)."""

@@ -19,6 +19,7 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first output tokens
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], stop: list[str]):
         self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's own decoder
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -27,9 +28,8 @@ class IncrementalDetokenizer:
         self.num_emitted = 0  # characters of `text` already handed out
 
     def _decode(self, ids: list[int]) -> str:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # a fast tokenizer's own decoder
-        if backend is not None:
-            return backend.decode(ids, skip_special_tokens=True)
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add_token(self, token_id: int) -> bool:

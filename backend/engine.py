@@ -203,12 +203,11 @@ class LLMEngine:
             return []
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
         draft_probs = self.speculator.propose(batch, self.scheduler.running)
-        if self.speculator.proposer is None:
-            logits = self.runner.run(self.step_input(batch))
-        else:  # the adaptive speculation length needs the target's step times
-            with self.speculator.timed(self.speculator.controller.target_cost, batch.total_tokens):
-                logits = self.runner.run(self.step_input(batch))
+        forward_started = time.perf_counter()
+        logits = self.runner.run(self.step_input(batch))
         lookahead = [r.num_lookahead_tokens for r in batch.requests]  # update() clears them
+        if self.speculator.proposer is not None:  # adaptive speculation measures the target's steps
+            self.speculator.observe_forward(batch, lookahead, forward_started)
         outputs = self.update(batch, logits, draft_probs)
         num_new = sum(len(o.token_ids) for o in outputs)
         self.speculator.observe_step(batch, lookahead, num_new, time.perf_counter() - started)

@@ -21,9 +21,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value.startswith("finished")
+        return self in FINISHED_STATUSES
 
 
+FINISHED_STATUSES = frozenset(s for s in RequestStatus if s.value.startswith("finished"))
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -43,6 +44,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)  # logical block -> physical block id
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
+    cached_chain_hash: int | None = None  # chain hash of the last of those blocks
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
     num_lookahead_tokens: int = 0  # draft tokens the scheduler reserves room for this step
     num_draft_computed_tokens: int = 0  # tokens whose K/V are in the draft model's pool
@@ -84,12 +86,21 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in FINISHED_STATUSES
 
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output + spec tokens."""
+        """Tokens [start, end) of prompt + output + spec tokens, without copying the whole context
+        (a decode step asks for the last token or two of a long one)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            tail = self.output_token_ids[start - num_prompt : end - num_prompt]
+            missing = end - start - len(tail)
+            if missing > 0 and self.spec_token_ids:
+                first = max(start - self.num_tokens, 0)
+                tail = tail + self.spec_token_ids[first : first + missing]
+            return tail
         return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]

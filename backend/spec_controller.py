@@ -13,13 +13,15 @@ request has its own survival counts (recent verifications weigh more), shrunk to
 curve, so a new request starts from the batch's experience and one that sits out drifts back to
 it and is tried again.
 Under load a forward is no longer free in the number of tokens (on a CPU it never is), so the
-controller measures both models' step times as a line in the number of tokens, T(n) = t0 + t1 n,
-the draft's first forward of a step (which catches up on the tokens the last step accepted, about
-E_r tokens per request) as a line in its tokens, and each further draft forward as a line in the
-number of requests R, and picks the k that maximises tokens per second for the whole batch:
-    sum_r E_r(k_r) / (T_target(sum_r (1 + k_r)) + T_draft_first(sum_r E_r) + (k - 1) T_draft(R)),
-with each request's k_r capped where its own E_r(k) / (1 + T_draft(k) / T_target) stops improving. k = 0 when
-nothing pays: then no draft work is done at all, so speculation never makes a server slower.
+controller measures, each as a line: the target's verifying forwards in their tokens, T(n); its
+plain decode forwards (no draft tokens) in the requests, T_decode(R); the draft's first forward of
+a step (which catches up on what the last step accepted, about E_r tokens per request) in its
+tokens; each further draft forward in the requests. It picks the k that maximises tokens per
+second for the whole batch,
+    sum_r E_r(k_r) / (T(sum_r (1 + k_r)) + T_draft_first(sum_r E_r) + (k - 1) T_draft(R)),
+against R / T_decode(R) without drafts, each request's k_r capped where its own
+E_r(k) / (1 + T_draft(k) / T_decode) stops improving. k = 0 when nothing pays: then no draft
+work is done at all, so speculation never makes a server slower.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ ACCEPTANCE_PRIOR = 0.7  # survival s_i = 0.7^i before anything is measured ...
 PRIOR_COUNT = 2.0  # ... worth this many verifications
 SHRINK_COUNT = 4.0  # a request's curve counts the batch's as this many of its own verifications
 REQUEST_DECAY = 0.95  # per verification (or step sat out), weight kept by a request's older counts
+EXPLORE_K_EVERY = 8  # every this many plans, speculating requests draft one token more than planned
+PROBE_REQUESTS = 4  # requests that speculate while the step costs are still unmeasured
 BATCH_DECAY = 0.99  # per verification, weight kept by the batch's older counts
 
 
@@ -120,11 +124,13 @@ class SpecController:
     def __init__(self, max_k: int, adaptive: bool = True):
         self.max_k = max_k
         self.adaptive = adaptive
-        self.target_cost = LinearCost()  # seconds per target forward, by tokens in it
+        self.decode_cost = LinearCost()  # a target forward with no draft tokens, by requests
+        self.target_cost = LinearCost()  # a target forward verifying draft tokens, by tokens in it
         self.draft_first_cost = LinearCost()  # a step's first draft forward (catch-up), by tokens
         self.draft_cost = LinearCost()  # each further draft forward, by requests
         self.batch_survival = Survival(max_k)
         self.survival: dict[str, Survival] = {}  # request id -> its own counts
+        self.num_plans = 0
 
     def expected_tokens(self, request: Request) -> np.ndarray:
         """E(0..max_k) for this request: 1 + its survival curve's running sum."""
@@ -137,22 +143,29 @@ class SpecController:
         """k per request (same order); 0 means this request does not speculate this step."""
         if not requests or self.max_k == 0:
             return [0] * len(requests)
-        costs = (self.target_cost, self.draft_first_cost, self.draft_cost)
-        if not self.adaptive or not all(cost.ready for cost in costs):
+        if not self.adaptive:
             return [self.max_k] * len(requests)
+        if not all(cost.ready for cost in (self.target_cost, self.draft_first_cost, self.draft_cost)):
+            # cheap probes until the costs are measured: a few requests, a short draft (the first
+            # draft forward of a request also reads its whole prompt)
+            probes = min(PROBE_REQUESTS, len(requests))
+            return [min(2, self.max_k)] * probes + [0] * (len(requests) - probes)
         num = len(requests)
+        # without drafts a step is a plain decode (on a CPU one query row per request is cheaper
+        # than two: matrix-vector against matrix-matrix), measured on its own when it can be
+        plain_seconds = self.decode_cost(num) if self.decode_cost.ready else self.target_cost(num)
         expected = [self.expected_tokens(r) for r in requests]
         # the first draft forward catches up on what the last step accepted: about E(k) tokens each
         catch_up = sum(float(e[-1]) for e in expected)
         # the draft's seconds for k = 0..max_k, relative to a target forward
         draft_seconds = np.array([self.draft_seconds(num, k, catch_up) for k in range(self.max_k + 1)])
-        relative = draft_seconds / max(self.target_cost(num), 1e-9)
+        relative = draft_seconds / max(plain_seconds, 1e-9)
         caps = [int(np.argmax(e / (1 + relative))) for e in expected]
         for r, cap in zip(requests, caps):
             own = self.survival.get(r.request_id)
             if cap == 0 and own is not None:  # sitting out, it measures nothing: fade its counts
                 own.add(0, 0, REQUEST_DECAY)
-        best_ks, best_rate = [0] * num, num / max(self.target_cost(num), 1e-9)
+        best_ks, best_rate = [0] * num, num / max(plain_seconds, 1e-9)
         for k in range(1, self.max_k + 1):
             ks = [min(k, cap) for cap in caps]
             tokens = sum(e[kr] for e, kr in zip(expected, ks))
@@ -160,6 +173,10 @@ class SpecController:
             rate = tokens / max(seconds, 1e-9)
             if rate > best_rate:
                 best_ks, best_rate = ks, rate
+        self.num_plans += 1
+        if self.num_plans % EXPLORE_K_EVERY == 0:  # one more draft token now and then: a position
+            # never drafted is never measured, and its estimate would keep it from being drafted
+            best_ks = [min(k + 1, self.max_k) if k else 0 for k in best_ks]
         return best_ks
 
     def draft_seconds(self, num_requests: int, k: int, catch_up_tokens: float) -> float:

@@ -9,7 +9,6 @@ other request's tokens; the engine runs the rejection sampler and calls `record`
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
 from backend.request import Request
 from backend.scheduler import ScheduledBatch
-from backend.spec_controller import LinearCost, SpecController
+from backend.spec_controller import SpecController
 
 
 EXPLORE_EVERY = 32  # steps before the mode that looks worse is tried again ...
@@ -56,17 +55,34 @@ class ModeChooser:
         return max(num_requests, 1).bit_length()  # 1, 2-3, 4-7, ...
 
     def rate(self, speculating: bool, num_requests: int) -> float | None:
-        totals = self.totals.get((speculating, self.bucket(num_requests)))
-        return None if totals is None else totals[0] / max(totals[1], 1e-9)
+        """Measured tokens/s of a mode at this batch size; None before any measurement."""
+        key = (speculating, self.bucket(num_requests))
+        return self._rate(key) if key in self.totals else None
+
+    def _rate(self, key: tuple[bool, int]) -> float:
+        tokens, seconds = self.totals[key]
+        return tokens / max(seconds, 1e-9)
+
+    def _warm(self, b: int) -> bool:
+        return min(self.samples.get((True, b), 0), self.samples.get((False, b), 0)) >= WARMUP_SAMPLES
+
+    def _faster(self, b: int) -> bool | None:
+        """Is speculation faster in bucket b? Judged by the bucket itself once both modes are
+        measured there, meanwhile by a measured neighbour (batch sizes change as requests come
+        and go); None when neither can tell."""
+        for candidate in (b, b - 1, b + 1):
+            if self._warm(candidate):
+                return self._rate((True, candidate)) >= self._rate((False, candidate))
+        return None
 
     def speculate(self, num_requests: int) -> bool:
         b = self.bucket(num_requests)
-        n_on, n_off = self.samples.get((True, b), 0), self.samples.get((False, b), 0)
-        if min(n_on, n_off) < WARMUP_SAMPLES:  # one noisy step decides nothing: alternate first
-            return n_on <= n_off
         state = self.buckets.setdefault(b, _Bucket())
         state.steps += 1
-        better = self.rate(True, num_requests) >= self.rate(False, num_requests)
+        better = self._faster(b)
+        if better is None:  # nothing measured here or nearby: measure both, alternating
+            n_on, n_off = self.samples.get((True, b), 0), self.samples.get((False, b), 0)
+            return n_on < n_off or (n_on == n_off and state.steps % 2 == 1)
         burst_end = state.explore_at + EXPLORE_STEPS
         if state.steps == state.explore_at:
             state.preferred = better
@@ -94,17 +110,27 @@ class Speculator:
         self.device = device
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.catching_up = False  # this step's draft reads more than the last step's tokens
         self.proposed_per_position = [0] * max_k  # draft position i -> tokens proposed there
         self.accepted_per_position = [0] * max_k  # draft position i -> tokens accepted there
 
-    @contextmanager
-    def timed(self, cost: LinearCost, num_tokens: int):
-        """Add the block's wall time (device work included) to a cost model."""
-        started = time.perf_counter()
-        yield
+    @staticmethod
+    def decode_only(batch: ScheduledBatch, lookahead: list[int]) -> bool:
+        """Each request computes its last token plus its draft tokens, nothing else (no prompt)."""
+        return all(n == 1 + k for n, k in zip(batch.num_scheduled_tokens, lookahead))
+
+    def observe_forward(self, batch: ScheduledBatch, lookahead: list[int], started: float) -> None:
+        """Time the target's forward of a decode-only step for the cost model. Prompt chunks stay
+        out: their per-token cost (many rows per matmul) is not what a verification token costs."""
+        if not self.decode_only(batch, lookahead):
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        cost.add(num_tokens, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if any(lookahead):
+            self.controller.target_cost.add(batch.total_tokens, seconds)
+        else:
+            self.controller.decode_cost.add(len(batch.requests), seconds)
 
     def _clock_draft_forward(self, index: int, num_tokens: int, num_requests: int, started: float) -> None:
         """Called after each draft forward (and its sampling) of a step. The first one catches up
@@ -120,6 +146,7 @@ class Speculator:
 
     def reserve(self, running: list[Request], max_model_len: int) -> None:
         """Choose k per decoding request and reserve room for its draft tokens."""
+        self.catching_up = False
         if self.proposer is None:
             return
         candidates = [r for r in running if r.params.speculative and r.num_computed_tokens == r.num_tokens - 1]
@@ -158,6 +185,9 @@ class Speculator:
                 r.num_lookahead_tokens, r.spec_token_ids = 0, []
         if not to_draft:
             return {}
+        # a draft that sat out steps (or a new request's) first reads what it missed: a one-off
+        # cost of switching on, which the mode chooser must not take for the steady rate
+        self.catching_up = any(r.num_tokens - r.num_draft_computed_tokens > max(ks) + 1 for r in to_draft)
         proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward)
         probs = {}
         for r, (tokens, q) in zip(to_draft, proposals):
@@ -170,7 +200,7 @@ class Speculator:
         draft tokens, nothing else) to the mode chooser."""
         if self.proposer is None or not self.controller.adaptive:
             return
-        if any(n != 1 + k for n, k in zip(batch.num_scheduled_tokens, lookahead)):
+        if not self.decode_only(batch, lookahead) or self.catching_up:
             return
         self.modes.observe(any(lookahead), len(batch.requests), num_new_tokens, seconds)
 

@@ -60,10 +60,20 @@ def measure_c(engine: LLMEngine) -> float:
     return dc(1) / tc(1) if tc.ready and dc.ready else float("nan")
 
 
-def verification_steps(engine: LLMEngine) -> int:
-    """Request-steps that verified at least one draft token so far."""
-    proposed = engine.speculator.proposed_per_position
-    return proposed[0] if proposed else 0
+def verification_counts(engine: LLMEngine) -> tuple[int, int]:
+    """(request-steps that verified at least one draft token, those that accepted all k) so far;
+    the second only means something at a fixed k."""
+    spec = engine.speculator
+    if not spec.proposed_per_position:
+        return 0, 0
+    return spec.proposed_per_position[0], spec.accepted_per_position[engine.config.num_speculative_tokens - 1]
+
+
+def geometric_acceptance(accepted: int, steps: int, all_accepted: int) -> float:
+    """The per-token acceptance S(k) assumes (each draft token accepted independently): every
+    step is a run of accepted tokens ended by one rejection, unless all k passed."""
+    trials = accepted + steps - all_accepted
+    return accepted / trials if trials else float("nan")
 
 
 def main() -> None:
@@ -98,33 +108,38 @@ def main() -> None:
             run(engine, prompts[:2], 8, temperature, 2)  # warm-up
         rates = {name: [] for name in args.methods}
         ratios = {name: [] for name in args.methods}
-        spec = {name: [0, 0, 0] for name in args.methods}  # draft tokens, accepted, verification steps
+        # draft tokens, accepted, verification steps, steps that accepted all k
+        spec = {name: [0, 0, 0, 0] for name in args.methods}
         for _ in range(args.repeats):
             for name in args.methods:
                 engine = engines[name]
-                s0, steps0 = engine.stats(), verification_steps(engine)
+                s0, (steps0, full0) = engine.stats(), verification_counts(engine)
                 seconds, tokens = run(engine, prompts, args.max_tokens, temperature, batch_size)
-                s1, steps1 = engine.stats(), verification_steps(engine)
+                s1, (steps1, full1) = engine.stats(), verification_counts(engine)
                 spec[name][0] += s1.spec_draft_tokens_total - s0.spec_draft_tokens_total
                 spec[name][1] += s1.spec_accepted_tokens_total - s0.spec_accepted_tokens_total
                 spec[name][2] += steps1 - steps0
+                spec[name][3] += full1 - full0
                 rates[name].append(tokens / seconds)
                 bar.update()
             for name in args.methods:
                 ratios[name].append(rates[name][-1] / rates[args.methods[0]][-1])
         for name in args.methods:
             engine = engines[name]
-            draft, accepted, steps = spec[name]
+            draft, accepted, steps, all_accepted = spec[name]
             a = accepted / draft if draft else float("nan")
             k = engine.config.num_speculative_tokens if name == "draft k=3" else None
             c = measure_c(engine)
-            predicted = speedup(a, k, c) if k and draft and c == c else float("nan")
+            a_geo = geometric_acceptance(accepted, steps, all_accepted)
+            predicted = speedup(a_geo, k, c) if k and draft and c == c else float("nan")
             rows.append((batch_size, temperature, name, statistics.median(rates[name]), statistics.median(ratios[name]),
                          min(ratios[name]), max(ratios[name]), a, accepted / steps + 1 if steps else 1.0, predicted, c))
     bar.close()
     print(f"\ndefault pair, {args.max_tokens} new tokens per request, prompts 64-192 tokens of held-out code, "
           f"target {args.dtype}, draft {args.draft_dtype}, {args.threads} torch thread(s), median of {args.repeats} "
           f"interleaved rounds (vs first method in the same round)\n")
+    print("acceptance: accepted / drafted tokens. S(k) predicted (fixed k): the formula with the per-token rate it\n"
+          "assumes (accepted / (accepted + rejections)) and c = a further draft forward / a target forward.\n")
     print("| batch | T | method | tok/s | vs none | range | acceptance | tokens/verify step | S(k) predicted | c |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for b, t, name, rate, ratio, lo, hi, a, mean_len, pred, c in rows:

@@ -167,3 +167,13 @@ def test_linear_cost_fits_the_latest_window_exactly():
     assert cost(4) == pytest.approx(1.5)  # still the same line through the two left
 
 
+
+
+def test_mode_chooser_borrows_a_measured_neighbour_bucket_and_alternates_while_blind():
+    m = ModeChooser()
+    assert [m.speculate(64) for _ in range(4)] == [True, False, True, False]  # mixed steps, nothing observed
+    for _ in range(WARMUP_SAMPLES):
+        m.observe(True, 64, 100, 1.0)
+        m.observe(False, 64, 200, 1.0)
+    # the batch shrank to 40 requests (the next bucket down): no new warm-up with speculation on
+    assert [m.speculate(40) for _ in range(EXPLORE_EVERY - 1)].count(True) == 0
