@@ -13,15 +13,14 @@ request has its own survival counts (recent verifications weigh more), shrunk to
 curve, so a new request starts from the batch's experience and one that sits out drifts back to
 it and is tried again.
 Under load a forward is no longer free in the number of tokens (on a CPU it never is), so the
-controller measures, each as a line: the target's verifying forwards in their tokens, T(n); its
-plain decode forwards (no draft tokens) in the requests, T_decode(R); the draft's first forward of
-a step (which catches up on what the last step accepted, about E_r tokens per request) in its
-tokens; each further draft forward in the requests. It picks the k that maximises tokens per
-second for the whole batch,
+controller measures, each as a line: the target's decode-only forwards (with draft tokens or
+without) in their tokens, T(n); the draft's first forward of a step (which catches up on what the
+last step accepted, about E_r tokens per request) in its tokens; each further draft forward in the
+requests. It picks the k that maximises tokens per second for the whole batch,
     sum_r E_r(k_r) / (T(sum_r (1 + k_r)) + T_draft_first(sum_r E_r) + (k - 1) T_draft(R)),
-against R / T_decode(R) without drafts, each request's k_r capped where its own
-E_r(k) / (1 + T_draft(k) / T_decode) stops improving. k = 0 when nothing pays: then no draft
-work is done at all, so speculation never makes a server slower.
+against R / T(R) without drafts, each request's k_r capped where its own
+E_r(k) / (1 + T_draft(k) / T(R)) stops improving. k = 0 when nothing pays: then no draft work
+is done at all, so speculation never makes a server slower.
 """
 from __future__ import annotations
 
@@ -121,11 +120,11 @@ class Survival:
 
 
 class SpecController:
-    def __init__(self, max_k: int, adaptive: bool = True):
+    def __init__(self, max_k: int, adaptive: bool = True, free_drafts: bool = False):
         self.max_k = max_k
         self.adaptive = adaptive
-        self.decode_cost = LinearCost()  # a target forward with no draft tokens, by requests
-        self.target_cost = LinearCost()  # a target forward verifying draft tokens, by tokens in it
+        self.free_drafts = free_drafts  # a proposer without a model (n-gram lookup): no draft cost
+        self.target_cost = LinearCost()  # a decode-only target forward (drafts or not), by tokens
         self.draft_first_cost = LinearCost()  # a step's first draft forward (catch-up), by tokens
         self.draft_cost = LinearCost()  # each further draft forward, by requests
         self.batch_survival = Survival(max_k)
@@ -145,15 +144,14 @@ class SpecController:
             return [0] * len(requests)
         if not self.adaptive:
             return [self.max_k] * len(requests)
-        if not all(cost.ready for cost in (self.target_cost, self.draft_first_cost, self.draft_cost)):
+        costs = (self.target_cost,) if self.free_drafts else (self.target_cost, self.draft_first_cost, self.draft_cost)
+        if not all(cost.ready for cost in costs):
             # cheap probes until the costs are measured: a few requests, a short draft (the first
             # draft forward of a request also reads its whole prompt)
             probes = min(PROBE_REQUESTS, len(requests))
             return [min(2, self.max_k)] * probes + [0] * (len(requests) - probes)
         num = len(requests)
-        # without drafts a step is a plain decode (on a CPU one query row per request is cheaper
-        # than two: matrix-vector against matrix-matrix), measured on its own when it can be
-        plain_seconds = self.decode_cost(num) if self.decode_cost.ready else self.target_cost(num)
+        plain_seconds = self.target_cost(num)  # a step without drafts
         expected = [self.expected_tokens(r) for r in requests]
         # the first draft forward catches up on what the last step accepted: about E(k) tokens each
         catch_up = sum(float(e[-1]) for e in expected)
@@ -180,7 +178,7 @@ class SpecController:
         return best_ks
 
     def draft_seconds(self, num_requests: int, k: int, catch_up_tokens: float) -> float:
-        if k == 0:
+        if k == 0 or self.free_drafts:
             return 0.0
         return self.draft_first_cost(catch_up_tokens) + (k - 1) * self.draft_cost(num_requests)
 

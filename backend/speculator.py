@@ -105,7 +105,7 @@ class ModeChooser:
 class Speculator:
     def __init__(self, proposer: DraftProposer | NgramProposer | None, max_k: int, adaptive: bool, device: torch.device):
         self.proposer = proposer
-        self.controller = SpecController(max_k, adaptive)
+        self.controller = SpecController(max_k, adaptive, free_drafts=isinstance(proposer, NgramProposer))
         self.modes = ModeChooser()
         self.device = device
         self.num_draft_tokens = 0
@@ -126,11 +126,7 @@ class Speculator:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - started
-        if any(lookahead):
-            self.controller.target_cost.add(batch.total_tokens, seconds)
-        else:
-            self.controller.decode_cost.add(len(batch.requests), seconds)
+        self.controller.target_cost.add(batch.total_tokens, time.perf_counter() - started)
 
     def _clock_draft_forward(self, index: int, num_tokens: int, num_requests: int, started: float) -> None:
         """Called after each draft forward (and its sampling) of a step. The first one catches up
@@ -185,9 +181,10 @@ class Speculator:
                 r.num_lookahead_tokens, r.spec_token_ids = 0, []
         if not to_draft:
             return {}
-        # a draft that sat out steps (or a new request's) first reads what it missed: a one-off
-        # cost of switching on, which the mode chooser must not take for the steady rate
-        self.catching_up = any(r.num_tokens - r.num_draft_computed_tokens > max(ks) + 1 for r in to_draft)
+        # a draft that sat out steps first reads what it missed: a one-off cost of switching on,
+        # which the mode chooser must not take for the steady rate when it dominates the step
+        behind = sum(r.num_tokens - r.num_draft_computed_tokens for r in to_draft)
+        self.catching_up = behind > 2 * sum(k + 1 for k in ks)
         proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward)
         probs = {}
         for r, (tokens, q) in zip(to_draft, proposals):

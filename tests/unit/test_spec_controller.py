@@ -51,6 +51,19 @@ def test_poor_acceptance_turns_speculation_off():
     assert c.plan(_requests(c, 4, 0.05)) == [0] * 4
 
 
+def test_free_drafts_need_only_the_target_cost():
+    """An n-gram proposer costs nothing to run: its plans come from the target's costs alone."""
+    c = SpecController(max_k=4, free_drafts=True)
+    for n in (1, 5):
+        c.target_cost.add(n, 0.010)  # verification is free on this target
+    (r,) = _requests(c, 1, 0.3)
+    assert c.plan([r]) == [4]
+    busy = SpecController(max_k=4, free_drafts=True)
+    for n in (64, 320):
+        busy.target_cost.add(n, n * 0.001)  # every verified token costs a decode's share
+    assert busy.plan(_requests(busy, 64, 0.3)) == [0] * 64
+
+
 def test_expected_tokens_follow_the_measured_survival_not_a_geometric_guess():
     """Accepting the first token makes the next likelier: the curve says so, one rate cannot."""
     c = SpecController(max_k=4)
