@@ -29,7 +29,8 @@ from perf.bench_gpu import SHAPE_TINY, sync, write_model  # noqa: E402
 
 
 def host_ms_per_step(engine: LLMEngine, batch_size: int, steps: int, rng: random.Random) -> tuple[float, float]:
-    """(step ms, forward ms) averaged over `steps` decode-only steps of `batch_size` requests."""
+    """(step ms, model forward ms) averaged over `steps` decode-only steps of `batch_size`
+    requests. The forward is the runner's call minus building its input tensors (host work)."""
     vocab = engine.model.args.vocab_size
     for _ in range(batch_size):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(128, 1024))]
@@ -37,7 +38,7 @@ def host_ms_per_step(engine: LLMEngine, batch_size: int, steps: int, rng: random
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()  # prefill
     forward = 0.0
-    run = engine.runner.run
+    run, prepare = engine.runner.run, engine.runner.prepare
 
     def timed_run(step):
         nonlocal forward
@@ -48,12 +49,19 @@ def host_ms_per_step(engine: LLMEngine, batch_size: int, steps: int, rng: random
         forward += time.perf_counter() - started
         return out
 
-    engine.runner.run = timed_run
+    def timed_prepare(step):
+        nonlocal forward
+        started = time.perf_counter()
+        out = prepare(step)
+        forward -= time.perf_counter() - started
+        return out
+
+    engine.runner.run, engine.runner.prepare = timed_run, timed_prepare
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
     total = time.perf_counter() - started
-    engine.runner.run = run
+    engine.runner.run, engine.runner.prepare = run, prepare
     while engine.has_unfinished_requests():
         engine.step()
     return total / steps * 1e3, forward / steps * 1e3
