@@ -15,13 +15,13 @@ import torch
 
 from backend.model_runner import ModelRunner, StepInput
 from backend.request import Request
-from backend.sampler import SamplingRow, apply_penalties, probs_from_logits, sample_from_probs
+from backend.sampler import Sampler, SamplingRow
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, generator: torch.Generator):
+    def __init__(self, runner: ModelRunner, sampler: Sampler):
         self.runner = runner
-        self.generator = generator
+        self.sampler = sampler  # the engine's: unseeded requests draw from its generator
 
     def propose(
         self, requests: list[Request], ks: list[int], clock: Callable[[int, int, int, float], None] | None = None
@@ -40,7 +40,7 @@ class DraftProposer:
                 r = requests[i]
                 if j == 0:
                     start = min(r.num_draft_computed_tokens, r.num_tokens - 1)
-                    step.token_ids.append(r.all_token_ids[start:])
+                    step.token_ids.append(r.tokens_slice(start, r.num_tokens))
                 else:
                     start = r.num_tokens - 1 + j
                     step.token_ids.append([tokens[i][-1]])
@@ -49,15 +49,11 @@ class DraftProposer:
                 step.num_logits.append(1)
                 r.num_draft_computed_tokens = start + len(step.token_ids[-1])
             rows = [SamplingRow(requests[i], tokens[i][:]) for i in active]
-            logits = apply_penalties(self.runner.run(step), rows)
-            if all(row.request.params.greedy for row in rows):  # verification compares argmaxes only
-                new, q = logits.argmax(-1).tolist(), None
-            else:
-                q = probs_from_logits(logits, rows)
-                new = sample_from_probs(q, rows, self.generator).tolist()
+            q = self.sampler.distributions(self.runner.run(step), rows)
+            new = self.sampler.sample(q, rows).tolist()
             for row_idx, i in enumerate(active):
                 tokens[i].append(new[row_idx])
-                if not requests[i].params.greedy:
+                if not requests[i].params.greedy:  # a greedy verification compares argmaxes only
                     probs[i].append(q[row_idx])
             if clock is not None:
                 clock(j, sum(len(t) for t in step.token_ids), len(active), started)

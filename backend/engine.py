@@ -28,7 +28,7 @@ from backend.request import Request, RequestStatus
 from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
 from backend.rejection_sampler import verify
-from backend.sampler import Sampler, SamplingRow, apply_penalties, compute_logprobs, probs_from_logits, sample_from_probs
+from backend.sampler import Sampler, SamplingRow, compute_logprobs
 from backend.speculator import Speculator
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
@@ -102,7 +102,7 @@ class LLMEngine:
             draft_runner = ModelRunner(
                 self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.draft_dtype
             )
-            proposer = DraftProposer(draft_runner, self.sampler.generator)
+            proposer = DraftProposer(draft_runner, self.sampler)
         elif config.speculative_method == "ngram":
             proposer = NgramProposer()
         self.speculator = Speculator(proposer, config.num_speculative_tokens, config.adaptive_speculation, self.device)
@@ -238,18 +238,14 @@ class LLMEngine:
             rows += [SamplingRow(r, r.spec_token_ids[:i]) for i in range(len(r.spec_token_ids) + 1)]
         if not rows:
             return []
-        penalized = apply_penalties(logits.clone(), rows)
-        if all(row.request.params.greedy for row in rows):  # argmax needs no distribution
-            probs = penalized
-            chosen = penalized.argmax(-1).tolist()  # token per row
-        else:
-            probs = probs_from_logits(penalized, rows)
-            chosen = [0] * len(rows)
-            plain = [i for i, row in enumerate(rows) if not row.request.spec_token_ids]
-            if plain:
-                drawn = sample_from_probs(probs[plain], [rows[i] for i in plain], self.sampler.generator)
-                for i, token in zip(plain, drawn.tolist()):
-                    chosen[i] = token
+        probs = self.sampler.distributions(logits.clone(), rows)  # logits kept raw for logprobs
+        chosen = [0] * len(rows)  # token per row
+        plain = [i for i, row in enumerate(rows) if not row.request.spec_token_ids]  # no drafts to verify
+        if plain:
+            plain_probs = probs if len(plain) == len(rows) else probs[plain]
+            drawn = self.sampler.sample(plain_probs, [rows[i] for i in plain])
+            for i, token in zip(plain, drawn.tolist()):
+                chosen[i] = token
         new_tokens: dict[str, list[int]] = {}
         row = 0
         for r in sampled:

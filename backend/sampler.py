@@ -135,13 +135,27 @@ def compute_logprobs(
 
 
 class Sampler:
+    """Turns a step's logits into tokens. Holds the engine's generator, which requests without a
+    seed draw from. The engine (target rows and verification), the draft proposer and tests all go
+    through `distributions` then `sample`."""
+
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
 
+    @staticmethod
+    def distributions(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Penalties applied (in place), then each row's distribution; when every row is greedy,
+        the penalised logits themselves (an argmax needs no distribution)."""
+        logits = apply_penalties(logits, rows)
+        if all(row.request.params.greedy for row in rows):
+            return logits
+        return probs_from_logits(logits, rows)
+
+    def sample(self, distributions: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One token per row of `distributions` (from `distributions`): [num_rows] int64."""
+        return sample_from_probs(distributions, rows, self.generator)
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict | None]]:
-        """logits: [num_rows, vocab] float32 from the model."""
-        raw = logits
-        logits = apply_penalties(logits.clone(), rows)
-        probs = probs_from_logits(logits, rows)
-        tokens = sample_from_probs(probs, rows, self.generator)
-        return tokens.tolist(), compute_logprobs(raw, tokens, rows)
+        """logits: [num_rows, vocab] float32 from the model, left unchanged."""
+        tokens = self.sample(self.distributions(logits.clone(), rows), rows)
+        return tokens.tolist(), compute_logprobs(logits, tokens, rows)
