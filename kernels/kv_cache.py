@@ -17,10 +17,15 @@ def store_kvcache_ref(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, PAD_SLOT to skip
 ) -> None:
+    k_slots, v_slots = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    if slot_mapping.numel() and int(slot_mapping.min()) != PAD_SLOT:  # no padding: one copy each
+        k_slots.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_slots.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+        return
     valid = slot_mapping != PAD_SLOT
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
+    k_slots[slots] = key[valid].to(k_cache.dtype)
+    v_slots[slots] = value[valid].to(v_cache.dtype)
 
 
 def store_kvcache(
