@@ -27,7 +27,7 @@ from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
 from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
-from backend.rejection_sampler import verify
+from backend.rejection_sampler import Proposal, verify_batch
 from backend.sampler import Sampler, SamplingRow, compute_logprobs
 from backend.speculator import Speculator
 from backend.sampling_params import SamplingParams
@@ -247,22 +247,24 @@ class LLMEngine:
             for i, token in zip(plain, drawn.tolist()):
                 chosen[i] = token
         new_tokens: dict[str, list[int]] = {}
+        speculating, proposals = [], []
         row = 0
         for r in sampled:
             k = len(r.spec_token_ids)
             if k == 0:
                 new_tokens[r.request_id] = [chosen[row]]
             else:
-                verdict = verify(
-                    r.spec_token_ids, draft_probs.get(r.request_id), probs[row : row + k + 1],
-                    rows[row : row + k + 1], self.sampler.generator,
-                )
-                self.speculator.record(r, k, verdict.num_accepted)
-                new_tokens[r.request_id] = verdict.tokens
-                chosen[row : row + len(verdict.tokens)] = verdict.tokens
-                r.num_computed_tokens -= k - verdict.num_accepted  # roll back the rejected positions
-                r.num_draft_computed_tokens = min(r.num_draft_computed_tokens, r.num_computed_tokens)
+                speculating.append((r, row))
+                proposals.append(Proposal(r.spec_token_ids, draft_probs.get(r.request_id), row))
             row += k + 1
+        verdicts = verify_batch(proposals, probs, rows, self.sampler.generator) if proposals else []
+        for (r, row), verdict in zip(speculating, verdicts):
+            k = len(r.spec_token_ids)
+            self.speculator.record(r, k, verdict.num_accepted)
+            new_tokens[r.request_id] = verdict.tokens
+            chosen[row : row + len(verdict.tokens)] = verdict.tokens
+            r.num_computed_tokens -= k - verdict.num_accepted  # roll back the rejected positions
+            r.num_draft_computed_tokens = min(r.num_draft_computed_tokens, r.num_computed_tokens)
         logprobs = compute_logprobs(logits, torch.tensor(chosen), rows)
         outputs = []
         row = 0

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.rejection_sampler import verify
+from backend.rejection_sampler import Proposal, verify, verify_batch
 from backend.request import Request
 from backend.sampler import SamplingRow
 from backend.sampling_params import SamplingParams
@@ -89,6 +89,20 @@ def _lossless(d, q, p, rows, gen) -> list[int]:
     return verify(d, q, p, rows, gen).tokens
 
 
+def _lossless_among_others(d, q, p, rows, gen) -> list[int]:
+    """The same verification inside a batch: a greedy request before it and a sampled one with a
+    one-hot (n-gram) proposal after it, their rows around its own."""
+    greedy = Request("g", [0], SamplingParams(temperature=0.0))
+    other = Request("o", [0], SamplingParams(temperature=1.0, seed=99))
+    k = len(d)
+    target = torch.cat([P_TABLE[[VOCAB, 1]], p, P_TABLE[[2, 3, 4]]])
+    batch_rows = [SamplingRow(greedy)] * 2 + rows + [SamplingRow(other)] * 3
+    proposals = [Proposal([0], None, 0), Proposal(d, q, 2), Proposal([5, 1], None, 2 + k + 1)]
+    verdicts = verify_batch(proposals, target, batch_rows, gen)
+    assert verdicts[0].tokens[-1] == int(P_TABLE[VOCAB].argmax()) or verdicts[0].num_accepted == 1
+    return verdicts[1].tokens
+
+
 def _accept_all(d, q, p, rows, gen) -> list[int]:
     return d  # a wrong verifier: keeps every draft token
 
@@ -125,6 +139,7 @@ def _chi_square_p(rule, trials: int = 6000) -> float:
 
 def test_rejection_sampling_is_lossless_and_a_biased_rule_fails():
     assert _chi_square_p(_lossless) > 0.001
+    assert _chi_square_p(_lossless_among_others) > 0.001
     assert _chi_square_p(_accept_all) < 1e-6
 
 
