@@ -19,6 +19,7 @@ def _tables(max_positions: int, head_dim: int) -> tuple[torch.Tensor, torch.Tens
         (11, 32, 8, 128, torch.bfloat16),
         (4, 4, 4, 32, torch.float16),
         (3, 12, 2, 80, torch.float32),  # head_dim not a power of two
+        (5, 8, 1, 64, torch.float16),  # one KV head (multi-query attention)
         (0, 4, 2, 64, torch.float32),
     ],
 )
