@@ -133,10 +133,20 @@ class SpecController:
 
     def expected_tokens(self, request: Request) -> np.ndarray:
         """E(0..max_k) for this request: 1 + its survival curve's running sum."""
+        return self.expected_tokens_batch([request])[0]
+
+    def expected_tokens_batch(self, requests: list[Request]) -> np.ndarray:
+        """[len(requests), max_k + 1]: each request's E(0..max_k), its own survival counts shrunk
+        toward the batch's curve (a request with no counts has the batch's curve)."""
         batch = self.batch_survival.curve(None, PRIOR_COUNT)
-        own = self.survival.get(request.request_id)
-        curve = batch if own is None else own.curve(batch, SHRINK_COUNT)
-        return np.concatenate(([1.0], 1.0 + np.cumsum(curve)))
+        reached = np.zeros((len(requests), self.max_k))
+        survived = np.zeros((len(requests), self.max_k))
+        for i, r in enumerate(requests):
+            own = self.survival.get(r.request_id)
+            if own is not None:
+                reached[i], survived[i] = own.reached, own.survived
+        curves = np.minimum.accumulate((survived + SHRINK_COUNT * batch) / (reached + SHRINK_COUNT), axis=1)
+        return np.concatenate((np.ones((len(requests), 1)), 1.0 + np.cumsum(curves, axis=1)), axis=1)
 
     def plan(self, requests: list[Request]) -> list[int]:
         """k per request (same order); 0 means this request does not speculate this step."""
@@ -152,30 +162,29 @@ class SpecController:
             return [min(2, self.max_k)] * probes + [0] * (len(requests) - probes)
         num = len(requests)
         plain_seconds = self.target_cost(num)  # a step without drafts
-        expected = [self.expected_tokens(r) for r in requests]
+        expected = self.expected_tokens_batch(requests)  # [num, max_k + 1]
         # the first draft forward catches up on what the last step accepted: about E(k) tokens each
-        catch_up = sum(float(e[-1]) for e in expected)
+        catch_up = float(expected[:, -1].sum())
         # the draft's seconds for k = 0..max_k, relative to a target forward
         draft_seconds = np.array([self.draft_seconds(num, k, catch_up) for k in range(self.max_k + 1)])
-        relative = draft_seconds / max(plain_seconds, 1e-9)
-        caps = [int(np.argmax(e / (1 + relative))) for e in expected]
+        caps = np.argmax(expected / (1 + draft_seconds / max(plain_seconds, 1e-9)), axis=1)
         for r, cap in zip(requests, caps):
             own = self.survival.get(r.request_id)
             if cap == 0 and own is not None:  # sitting out, it measures nothing: fade its counts
                 own.add(0, 0, REQUEST_DECAY)
-        best_ks, best_rate = [0] * num, num / max(plain_seconds, 1e-9)
+        best_ks, best_rate = np.zeros(num, dtype=int), num / max(plain_seconds, 1e-9)
+        rows = np.arange(num)
         for k in range(1, self.max_k + 1):
-            ks = [min(k, cap) for cap in caps]
-            tokens = sum(e[kr] for e, kr in zip(expected, ks))
-            seconds = self.target_cost(num + sum(ks)) + draft_seconds[max(ks)]
-            rate = tokens / max(seconds, 1e-9)
+            ks = np.minimum(k, caps)
+            seconds = self.target_cost(num + int(ks.sum())) + draft_seconds[ks.max()]
+            rate = expected[rows, ks].sum() / max(seconds, 1e-9)
             if rate > best_rate:
                 best_ks, best_rate = ks, rate
         self.num_plans += 1
         if self.num_plans % EXPLORE_K_EVERY == 0:  # one more draft token now and then: a position
             # never drafted is never measured, and its estimate would keep it from being drafted
-            best_ks = [min(k + 1, self.max_k) if k else 0 for k in best_ks]
-        return best_ks
+            best_ks = np.where(best_ks > 0, np.minimum(best_ks + 1, self.max_k), 0)
+        return [int(k) for k in best_ks]
 
     def draft_seconds(self, num_requests: int, k: int, catch_up_tokens: float) -> float:
         if k == 0 or self.free_drafts:
