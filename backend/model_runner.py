@@ -32,6 +32,22 @@ class StepInput:
     num_logits: list[int]  # per request: logits wanted for its last n tokens (0: none)
 
 
+@dataclass(slots=True)
+class _FlatInputs:
+    """One step's inputs as host lists, before they become tensors."""
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    cu_seqlens: list[int]
+    seq_lens: list[int]
+    logits_indices: list[int]
+
+
+def _padded(tables: list[list[int]], width: int) -> list[list[int]]:
+    """Block tables padded with PAD_BLOCK to `width` entries each."""
+    return [t + [PAD_BLOCK] * (width - len(t)) for t in tables]
+
+
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     a = model.args
     return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * torch.finfo(dtype).bits // 8
@@ -103,58 +119,58 @@ class ModelRunner:
             return None
         bucket = min(size for size in self.graphs if size >= b)
         io = self.graph_io
-        bs = self.block_size
-        positions = step.start_positions
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(step.block_tables, positions)]
-        max_blocks = io["block_tables"].shape[1]
-        tables = [t + [PAD_BLOCK] * (max_blocks - len(t)) for t in step.block_tables]
-        pad = bucket - b
-        host = dict(
-            input_ids=torch.tensor([t[0] for t in step.token_ids] + [0] * pad, dtype=torch.int64),
-            positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots + [PAD_SLOT] * pad, dtype=torch.int64),
-            seq_lens=torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32),
-            block_tables=torch.tensor(tables + [[PAD_BLOCK] * max_blocks] * pad, dtype=torch.int32),
-        )
-        for name, value in host.items():
+        for name, value in self.graph_inputs(step, bucket, io["block_tables"].shape[1]).items():
             io[name][:bucket].copy_(value, non_blocking=True)
         self.graphs[bucket].replay()
         return io[f"logits_{bucket}"][:b]
 
-    def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def graph_inputs(self, step: StepInput, bucket: int, max_blocks: int) -> dict[str, torch.Tensor]:
+        """Host tensors for a decode graph of `bucket` rows: the step's flat inputs, then padding
+        rows that write nowhere (slot PAD_SLOT) and read one token of block PAD_BLOCK."""
+        flat = self._flat_inputs(step)
+        pad = bucket - len(step.token_ids)
+        return dict(
+            input_ids=torch.tensor(flat.input_ids + [0] * pad, dtype=torch.int64),
+            positions=torch.tensor(flat.positions + [0] * pad, dtype=torch.int64),
+            slot_mapping=torch.tensor(flat.slots + [PAD_SLOT] * pad, dtype=torch.int64),
+            seq_lens=torch.tensor(flat.seq_lens + [1] * pad, dtype=torch.int32),
+            block_tables=torch.tensor(_padded(step.block_tables, max_blocks) + [[PAD_BLOCK] * max_blocks] * pad,
+                                      dtype=torch.int32),
+        )
+
+    def _flat_inputs(self, step: StepInput) -> _FlatInputs:
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_seqlens = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
+        flat = _FlatInputs([], [], [], [0], [], [])
         for tokens, start, table, num_logits in zip(
             step.token_ids, step.start_positions, step.block_tables, step.num_logits
         ):
             n = len(tokens)
-            input_ids.extend(tokens)
+            flat.input_ids.extend(tokens)
             pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            seq_lens.append(start + n)
-            logits_indices.extend(range(cu_seqlens[-1] - num_logits, cu_seqlens[-1]))
+            flat.positions.extend(pos)
+            flat.slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            flat.cu_seqlens.append(flat.cu_seqlens[-1] + n)
+            flat.seq_lens.append(start + n)
+            flat.logits_indices.extend(range(flat.cu_seqlens[-1] - num_logits, flat.cu_seqlens[-1]))
+        return flat
+
+    def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        flat = self._flat_inputs(step)
         max_blocks = max((len(t) for t in step.block_tables), default=1)
-        tables = [t + [PAD_BLOCK] * (max_blocks - len(t)) for t in step.block_tables]
 
         def tensor(x, dtype):
             return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
 
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(tables, torch.int32),
+            slot_mapping=tensor(flat.slots, torch.int64),
+            cu_seqlens_q=tensor(flat.cu_seqlens, torch.int32),
+            seq_lens=tensor(flat.seq_lens, torch.int32),
+            block_tables=tensor(_padded(step.block_tables, max_blocks), torch.int32),
             max_seqlen_q=max(len(t) for t in step.token_ids),
-            max_seqlen_k=max(seq_lens),
+            max_seqlen_k=max(flat.seq_lens),
         )
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, tensor(logits_indices, torch.int64)
+        return (tensor(flat.input_ids, torch.int64), tensor(flat.positions, torch.int64), meta,
+                tensor(flat.logits_indices, torch.int64))
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:  # [sum(num_logits), vocab] float32
