@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.attention import AttentionBackend, AttentionMetadata
+from kernels.rms_norm import rms_norm, rms_norm_ref  # Triton itself is imported on a kernel's first call
+from kernels.rotary import apply_rotary, apply_rotary_ref
 
 
 @dataclass(slots=True)
@@ -70,11 +72,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual, (norm(x + residual), x + residual)."""
-        if self.use_triton_kernels:
-            from kernels.rms_norm import rms_norm
-        else:
-            from kernels.rms_norm import rms_norm_ref as rms_norm
-        return rms_norm(x, self.weight, self.eps, residual)
+        norm = rms_norm if self.use_triton_kernels else rms_norm_ref
+        return norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -90,11 +89,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        if self.use_triton_kernels:
-            from kernels.rotary import apply_rotary
-        else:
-            from kernels.rotary import apply_rotary_ref as apply_rotary
-        return apply_rotary(q, k, positions, self.cos, self.sin)
+        rotate = apply_rotary if self.use_triton_kernels else apply_rotary_ref
+        return rotate(q, k, positions, self.cos, self.sin)
 
 
 class Attention(nn.Module):

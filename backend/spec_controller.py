@@ -67,12 +67,6 @@ class LinearCost:
         else:
             self.t0, self.t1 = st / count, 0.0
 
-    def pop(self) -> tuple[int, float]:
-        """Remove and return the newest sample."""
-        n, t = self.samples.pop()
-        self._accumulate(n, t, -1.0)
-        return n, t
-
     @property
     def ready(self) -> bool:
         return len(self.samples) >= 2
@@ -104,15 +98,15 @@ class Survival:
         self.reached[:num_draft] += 1
         self.survived[:num_accepted] += 1
 
-    def curve(self, prior: np.ndarray | None, prior_count: float) -> np.ndarray:
-        """s_1..s_max_k: the counts shrunk toward a prior curve, never rising with i. Without a
-        prior curve, position 1's prior is ACCEPTANCE_PRIOR and each later position's continues
-        the previous conditional rate s_i / s_(i-1): a position rarely drafted is judged by the
-        ones before it, not by a constant that would keep it from ever being drafted."""
+    def curve(self, prior_count: float) -> np.ndarray:
+        """s_1..s_max_k: the counts shrunk toward a prior, never rising with i. Position 1's prior
+        is ACCEPTANCE_PRIOR and each later position's continues the previous conditional rate
+        s_i / s_(i-1): a position rarely drafted is judged by the ones before it, not by a
+        constant that would keep it from ever being drafted."""
         s = np.empty_like(self.reached)
         previous, conditional = 1.0, ACCEPTANCE_PRIOR
         for i in range(len(s)):
-            guess = prior[i] if prior is not None else previous * conditional
+            guess = previous * conditional
             s[i] = min((self.survived[i] + prior_count * guess) / (self.reached[i] + prior_count), previous)
             conditional = s[i] / previous if previous > 0 else 0.0
             previous = s[i]
@@ -138,7 +132,7 @@ class SpecController:
     def expected_tokens_batch(self, requests: list[Request]) -> np.ndarray:
         """[len(requests), max_k + 1]: each request's E(0..max_k), its own survival counts shrunk
         toward the batch's curve (a request with no counts has the batch's curve)."""
-        batch = self.batch_survival.curve(None, PRIOR_COUNT)
+        batch = self.batch_survival.curve(PRIOR_COUNT)
         reached = np.zeros((len(requests), self.max_k))
         survived = np.zeros((len(requests), self.max_k))
         for i, r in enumerate(requests):

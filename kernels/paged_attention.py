@@ -21,7 +21,6 @@ class ShortQueries:
     token_rows: torch.Tensor  # [R, n_max] row of q per (request, query); padding repeats the last
     valid: torch.Tensor | None  # [R, n_max] bool, False on padding; None when there is none
     block_tables: torch.Tensor  # [R, num_blocks]
-    num_blocks: int
     mask: torch.Tensor  # [R, n_max, num_blocks * block_size] True = attend (causal and in range)
     grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> _attend's mask
 
@@ -65,7 +64,7 @@ def plan_reference(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
         num_blocks = (max(lens[b] for b in picked) + block_size - 1) // block_size
         tables = block_tables.index_select(0, torch.tensor(picked, device=device))[:, :num_blocks]
         k_pos = torch.arange(num_blocks * block_size, device=device)
-        short = ShortQueries(token_rows, valid, tables, num_blocks, k_pos <= q_pos[:, :, None])
+        short = ShortQueries(token_rows, valid, tables, k_pos <= q_pos[:, :, None])
     long = []
     for b, n in enumerate(q_lens):
         if n <= SHORT_QUERY:
