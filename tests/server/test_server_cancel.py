@@ -40,16 +40,21 @@ def _tensor(name, array, datatype):
     return tensor
 
 
-def test_cancelling_an_engine_stream_frees_its_blocks(server, tokenizer):
-    """Straight to llm_engine (token ids in): a closed stream aborts the request at once."""
-    prompt_ids, max_tokens = _long_request_tokens(server, tokenizer)
-    before = server.wait_for_metrics(_idle)
+def _streaming_engine_inputs(prompt_ids: list[int], max_tokens: int) -> list:
+    """llm_engine inputs of a greedy streamed request that ignores EOS."""
     params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    inputs = [
+    return [
         _tensor("input_ids", np.array(prompt_ids, dtype=np.int32), "INT32"),
         _tensor("sampling_params", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
         _tensor("request_options", np.array([b'{"stream": true}'], dtype=np.object_), "BYTES"),
     ]
+
+
+def test_cancelling_an_engine_stream_frees_its_blocks(server, tokenizer):
+    """Straight to llm_engine (token ids in): a closed stream aborts the request at once."""
+    prompt_ids, max_tokens = _long_request_tokens(server, tokenizer)
+    before = server.wait_for_metrics(_idle)
+    inputs = _streaming_engine_inputs(prompt_ids, max_tokens)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -74,12 +79,7 @@ def test_cancelling_many_engine_streams_aborts_every_one(server, tokenizer):
     """More requests than one cancellation poll checks: polls take turns until all are found."""
     prompt_ids, max_tokens = _long_request_tokens(server, tokenizer)
     before = server.wait_for_metrics(_idle)
-    params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    inputs = [
-        _tensor("input_ids", np.array(prompt_ids, dtype=np.int32), "INT32"),
-        _tensor("sampling_params", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
-        _tensor("request_options", np.array([b'{"stream": true}'], dtype=np.object_), "BYTES"),
-    ]
+    inputs = _streaming_engine_inputs(prompt_ids, max_tokens)
     num_requests = 40
     started: set[str] = set()
     first_tokens: queue.SimpleQueue = queue.SimpleQueue()  # request id, or the error before any cancel
