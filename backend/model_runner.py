@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from backend.attention import AttentionBackend, AttentionMetadata
+from backend.decode_inputs import PAD_BLOCK, PAD_SLOT, DecodeInputs
 from backend.model import LlamaForCausalLM
 
-PAD_BLOCK = 0  # block id that pads block_tables rows (never read: seq_lens bounds every read)
-PAD_SLOT = -1  # slot of a padding token: its K/V are not stored
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -75,6 +74,10 @@ class ModelRunner:
         ]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch-size bucket -> decode graph
         self.graph_io: dict[str, torch.Tensor] = {}  # static inputs and outputs shared by all graphs
+        self.decode_inputs: DecodeInputs | None = None  # host staging of the graphs' inputs
+
+    def init_decode_inputs(self, max_batch_size: int, max_blocks: int) -> None:
+        self.decode_inputs = DecodeInputs(max_batch_size, max_blocks, pin=self.device.type == "cuda")
 
     @torch.inference_mode()
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
@@ -92,6 +95,7 @@ class ModelRunner:
             block_tables=torch.full((biggest, max_blocks), PAD_BLOCK, dtype=torch.int32, device=dev),
             logits_indices=torch.arange(biggest, dtype=torch.int64, device=dev),
         )
+        self.init_decode_inputs(biggest, max_blocks)
         pool = None
         for b in sorted(sizes, reverse=True):  # biggest first: smaller graphs reuse its pool
             meta = AttentionMetadata(
@@ -118,25 +122,16 @@ class ModelRunner:
         if any(n != 1 for n in step.num_logits):
             return None
         bucket = min(size for size in self.graphs if size >= b)
-        io = self.graph_io
-        for name, value in self.graph_inputs(step, bucket, io["block_tables"].shape[1]).items():
-            io[name][:bucket].copy_(value, non_blocking=True)
+        self.decode_inputs.upload(self.graph_inputs(step, bucket), self.graph_io)
         self.graphs[bucket].replay()
-        return io[f"logits_{bucket}"][:b]
+        return self.graph_io[f"logits_{bucket}"][:b]
 
-    def graph_inputs(self, step: StepInput, bucket: int, max_blocks: int) -> dict[str, torch.Tensor]:
-        """Host tensors for a decode graph of `bucket` rows: the step's flat inputs, then padding
-        rows that write nowhere (slot PAD_SLOT) and read one token of block PAD_BLOCK."""
+    def graph_inputs(self, step: StepInput, bucket: int) -> dict[str, torch.Tensor]:
+        """Host tensors for a decode graph of `bucket` rows (after `init_decode_inputs`): the
+        step's flat inputs, then padding rows that write nowhere and read one cached token."""
         flat = self._flat_inputs(step)
-        pad = bucket - len(step.token_ids)
-        return dict(
-            input_ids=torch.tensor(flat.input_ids + [0] * pad, dtype=torch.int64),
-            positions=torch.tensor(flat.positions + [0] * pad, dtype=torch.int64),
-            slot_mapping=torch.tensor(flat.slots + [PAD_SLOT] * pad, dtype=torch.int64),
-            seq_lens=torch.tensor(flat.seq_lens + [1] * pad, dtype=torch.int32),
-            block_tables=torch.tensor(_padded(step.block_tables, max_blocks) + [[PAD_BLOCK] * max_blocks] * pad,
-                                      dtype=torch.int32),
-        )
+        return self.decode_inputs.fill(flat.input_ids, flat.positions, flat.slots, flat.seq_lens,
+                                       step.block_tables, bucket)
 
     def _flat_inputs(self, step: StepInput) -> _FlatInputs:
         bs = self.block_size

@@ -58,15 +58,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def engine_decode_latency(engine: LLMEngine, prompt: list[int], new_tokens: int) -> float:
+def engine_decode_latency(engine: LLMEngine, prompt: list[int], new_tokens: int, times=None) -> float:
     """Seconds per output token after the first (the prefill step is excluded)."""
     engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
     engine.step()  # prefill, first token
     sync(engine.device)
+    step = times.step if times is not None else engine.step
     started = time.perf_counter()
     steps = 0
     while engine.has_unfinished_requests():
-        engine.step()
+        step()
         steps += 1
     sync(engine.device)
     return (time.perf_counter() - started) / steps
@@ -84,14 +85,70 @@ def hf_decode_latency(model, prompt: list[int], new_tokens: int, device) -> floa
     return (timed(new_tokens) - timed(1)) / (new_tokens - 1)
 
 
-def engine_throughput(engine: LLMEngine, prompts, max_tokens) -> tuple[float, int]:
+class StepTimes:
+    """Where a run's time goes, step by step: wall time of each `engine.step()` and, on CUDA, the
+    GPU time of its forward (events around the runner's call, read after the run, so timing adds
+    no synchronisation). Steps are split into decode-only ones and those holding prompt tokens."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.steps: list[tuple[bool, int, int, float, object, object]] = []
+        self._events = self._batch = None
+        run = engine.runner.run
+
+        def timed_run(step):
+            if engine.device.type != "cuda":
+                return run(step)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = run(step)
+            end.record()
+            self._events = (start, end)
+            return out
+
+        engine.runner.run = timed_run
+        schedule = engine.scheduler.schedule
+
+        def kept_schedule():
+            self._batch = schedule()
+            return self._batch
+
+        engine.scheduler.schedule = kept_schedule
+
+    def step(self) -> list:
+        started = time.perf_counter()
+        self._events = self._batch = None
+        outputs = self.engine.step()
+        wall = time.perf_counter() - started
+        counts = self._batch.num_scheduled_tokens if self._batch is not None else []
+        start, end = self._events or (None, None)
+        self.steps.append((all(n == 1 for n in counts), len(counts), sum(len(o.token_ids) for o in outputs),
+                           wall, start, end))
+        return outputs
+
+    def summary(self) -> dict:
+        sync(self.engine.device)
+        rows = {}
+        for kind in (True, False):
+            steps = [s for s in self.steps if s[0] == kind]
+            if not steps:
+                continue
+            gpu = [s[4].elapsed_time(s[5]) / 1e3 for s in steps if s[4] is not None]
+            rows["decode" if kind else "with prompt tokens"] = dict(
+                steps=len(steps), wall_s=sum(s[3] for s in steps), gpu_forward_s=sum(gpu),
+                mean_requests=sum(s[1] for s in steps) / len(steps), tokens_out=sum(s[2] for s in steps))
+        return rows
+
+
+def engine_throughput(engine: LLMEngine, prompts, max_tokens, times: StepTimes | None = None) -> tuple[float, int]:
     for p, m in zip(prompts, max_tokens):
         engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
     sync(engine.device)
+    step = times.step if times is not None else engine.step
     started = time.perf_counter()
     generated = 0
     while engine.has_unfinished_requests():
-        generated += sum(len(o.token_ids) for o in engine.step())
+        generated += sum(len(o.token_ids) for o in step())
     sync(engine.device)
     return time.perf_counter() - started, generated
 
@@ -168,8 +225,11 @@ def main() -> None:
 
         with torch.no_grad():
             hf_ms = hf_decode_latency(hf, prompt512, 64, device) * 1e3
+        times = StepTimes(engine)
         engine_decode_latency(engine, prompt512, 16)  # warm-up
-        eng_ms = engine_decode_latency(engine, prompt512, 128) * 1e3
+        times.steps.clear()
+        eng_ms = engine_decode_latency(engine, prompt512, 128, times) * 1e3
+        results["batch1_gpu_forward_ms"] = times.summary()["decode"]["gpu_forward_s"] / len(times.steps) * 1e3
         eager = LLMEngine(EngineConfig(**knobs, enforce_eager=True)) if device.type == "cuda" else engine
         engine_decode_latency(eager, prompt512, 16)
         eager_ms = engine_decode_latency(eager, prompt512, 128) * 1e3
@@ -178,9 +238,11 @@ def main() -> None:
                        floor_ms_per_token=floor_ms)
 
         engine_throughput(engine, prompts[:8], [8] * 8)  # warm-up
-        seconds, generated = engine_throughput(engine, prompts, max_tokens)
+        times.steps.clear()
+        seconds, generated = engine_throughput(engine, prompts, max_tokens, times)
         results.update(engine_tok_s=generated / seconds, engine_generated=generated, engine_seconds=seconds,
-                       peak_blocks_used=engine.peak_blocks_used, num_blocks=engine.num_blocks)
+                       peak_blocks_used=engine.peak_blocks_used, num_blocks=engine.num_blocks,
+                       step_times=times.summary())
         m = min(args.hf_requests, n)
         with torch.no_grad():
             hf_s, hf_useful = hf_static_throughput(hf, prompts[:m], max_tokens[:m], 32, device)
@@ -194,6 +256,15 @@ def main() -> None:
           f"floor {floor_ms:.2f}, target <= {1.5 * floor_ms:.2f} |")
     print(f"| {n} mixed requests, generated tok/s | {results['engine_tok_s']:,.0f} | | "
           f"{results['hf_static_tok_s']:,.0f} (static batches of 32, {m} requests) | target >= 30,000 |")
+    print(f"\nbatch-1 decode: GPU time of the forward {results['batch1_gpu_forward_ms']:.2f} ms of "
+          f"{eng_ms:.2f} ms per step")
+    print(f"\nwhere the {n}-request run's {results['engine_seconds']:.2f} s went:")
+    print("| steps | count | mean requests | tokens out | wall s | GPU forward s | host share |")
+    print("|---|---|---|---|---|---|---|")
+    for kind, r in results["step_times"].items():
+        host = 1 - r["gpu_forward_s"] / r["wall_s"] if r["gpu_forward_s"] else float("nan")
+        print(f"| {kind} | {r['steps']} | {r['mean_requests']:.0f} | {r['tokens_out']:,} | {r['wall_s']:.2f} | "
+              f"{r['gpu_forward_s']:.2f} | {host:.0%} |")
     print(f"\nengine vs HF: {hf_ms / eng_ms:.1f}x lower latency, {results['engine_tok_s'] / results['hf_static_tok_s']:.1f}x throughput;"
           f" first-token agreement with HF {results['first_token_agreement']}")
     if args.json:

@@ -30,7 +30,8 @@ from perf.bench_gpu import SHAPE_TINY, sync, write_model  # noqa: E402
 
 def host_ms_per_step(engine: LLMEngine, batch_size: int, steps: int, rng: random.Random) -> tuple[float, float]:
     """(step ms, model forward ms) averaged over `steps` decode-only steps of `batch_size`
-    requests. The forward is the runner's call minus building its input tensors (host work)."""
+    requests. The forward is the runner's call minus building its input tensors (host work, for
+    eager steps and decode graphs alike)."""
     vocab = engine.model.args.vocab_size
     for _ in range(batch_size):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(128, 1024))]
@@ -38,7 +39,7 @@ def host_ms_per_step(engine: LLMEngine, batch_size: int, steps: int, rng: random
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()  # prefill
     forward = 0.0
-    run, prepare = engine.runner.run, engine.runner.prepare
+    run, prepare, graph_inputs = engine.runner.run, engine.runner.prepare, engine.runner.graph_inputs
 
     def timed_run(step):
         nonlocal forward
@@ -49,19 +50,22 @@ def host_ms_per_step(engine: LLMEngine, batch_size: int, steps: int, rng: random
         forward += time.perf_counter() - started
         return out
 
-    def timed_prepare(step):
-        nonlocal forward
-        started = time.perf_counter()
-        out = prepare(step)
-        forward -= time.perf_counter() - started
-        return out
+    def host_side(build):  # building the inputs (eager or graph) is host work
+        def timed(*args):
+            nonlocal forward
+            started = time.perf_counter()
+            out = build(*args)
+            forward -= time.perf_counter() - started
+            return out
+        return timed
 
-    engine.runner.run, engine.runner.prepare = timed_run, timed_prepare
+    engine.runner.run, engine.runner.prepare = timed_run, host_side(prepare)
+    engine.runner.graph_inputs = host_side(graph_inputs)
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
     total = time.perf_counter() - started
-    engine.runner.run, engine.runner.prepare = run, prepare
+    engine.runner.run, engine.runner.prepare, engine.runner.graph_inputs = run, prepare, graph_inputs
     while engine.has_unfinished_requests():
         engine.step()
     return total / steps * 1e3, forward / steps * 1e3

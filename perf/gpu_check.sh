@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks in one run: native kernel tests, decode-attention bandwidth, end to end vs HF.
-# Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [tests] [bandwidth] [e2e]
-# (no arguments: all three)
+# The GPU checks in one run: native kernel tests, decode-attention bandwidth, end to end vs HF,
+# host work per step.
+# Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [tests] [bandwidth] [e2e] [host]
+# (no arguments: all four)
 set -u
 OUT=${OUT:-perf/results/gpu}
-STEPS=${*:-tests bandwidth e2e}
+STEPS=${*:-tests bandwidth e2e host}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -21,4 +22,8 @@ fi
 if [[ $STEPS == *e2e* ]]; then
   echo "== end to end, Llama-3.2-1B shape, bf16"
   timeout 280 $PY perf/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | grep -v -E "Loading|Writing" | tail -40 | tee "$OUT/bench_gpu.txt"
+fi
+if [[ $STEPS == *host* ]]; then
+  echo "== host work per decode step (tiny model, forward timed apart)"
+  timeout 120 $PY perf/bench_host.py --batch-sizes 1 64 256 2>&1 | tail -12 | tee "$OUT/bench_host.txt"
 fi

@@ -1,0 +1,75 @@
+"""Host staging for the inputs of a decode graph: written in place each step, uploaded in one copy
+per input.
+
+A decode step of B requests needs B block-table rows of up to max_model_len / block_size entries;
+building them anew each step (B x max_blocks Python ints: 65,536 at B = 256, 4,096-token context)
+cost more host time than the GPU spent on the step. Here each row remembers the table it holds and
+is rewritten only when the request at that row, or its table, changed: in a steady decode batch
+that is the few requests that crossed a block boundary. Entries past a row's table are left stale;
+seq_lens bounds every read, so they are never read. Padding rows (past the batch, up to the graph's
+bucket) write nowhere (slot PAD_SLOT) and read one token of block PAD_BLOCK.
+
+On CUDA the buffers are pinned, so uploads are asynchronous; the next step waits for the last
+upload before writing them again.
+"""
+from __future__ import annotations
+
+import torch
+
+PAD_BLOCK = 0  # block id that pads block tables (never read past seq_lens)
+PAD_SLOT = -1  # slot of a padding token: its K/V are not stored
+_PAD_ROW = [PAD_BLOCK]
+
+
+class DecodeInputs:
+    def __init__(self, max_batch: int, max_blocks: int, pin: bool):
+        def buffer(*shape, dtype, fill):
+            t = torch.full(shape, fill, dtype=dtype)
+            return t.pin_memory() if pin else t
+
+        self.tensors = dict(
+            input_ids=buffer(max_batch, dtype=torch.int64, fill=0),
+            positions=buffer(max_batch, dtype=torch.int64, fill=0),
+            slot_mapping=buffer(max_batch, dtype=torch.int64, fill=PAD_SLOT),
+            seq_lens=buffer(max_batch, dtype=torch.int32, fill=1),
+            block_tables=buffer(max_batch, max_blocks, dtype=torch.int32, fill=PAD_BLOCK),
+        )
+        self._arrays = {name: t.numpy() for name, t in self.tensors.items()}
+        self._rows: list[list[int]] = [_PAD_ROW] * max_batch  # the table each row holds now
+        self._uploaded: torch.cuda.Event | None = None
+
+    @property
+    def max_blocks(self) -> int:
+        return self.tensors["block_tables"].shape[1]
+
+    def fill(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+             block_tables: list[list[int]], bucket: int) -> dict[str, torch.Tensor]:
+        """Write one decode step (one token per request) and padding up to `bucket` rows; returns
+        views of the first `bucket` rows of each buffer."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last upload has read the buffers
+            self._uploaded = None
+        b = len(input_ids)
+        a = self._arrays
+        for name, values, pad in (("input_ids", input_ids, 0), ("positions", positions, 0),
+                                  ("slot_mapping", slots, PAD_SLOT), ("seq_lens", seq_lens, 1)):
+            a[name][:b] = values
+            a[name][b:bucket] = pad
+        tables, rows = a["block_tables"], self._rows
+        for i, table in enumerate(block_tables):
+            if rows[i] != table:
+                tables[i, : len(table)] = table
+                rows[i] = table.copy()
+        for i in range(b, bucket):
+            if rows[i] is not _PAD_ROW:
+                tables[i, 0] = PAD_BLOCK
+                rows[i] = _PAD_ROW
+        return {name: t[:bucket] for name, t in self.tensors.items()}
+
+    def upload(self, views: dict[str, torch.Tensor], device_tensors: dict[str, torch.Tensor]) -> None:
+        """Copy what `fill` returned into the graph's static inputs (asynchronous on CUDA)."""
+        for name, view in views.items():
+            device_tensors[name][: view.shape[0]].copy_(view, non_blocking=True)
+        if next(iter(device_tensors.values())).is_cuda:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
