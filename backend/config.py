@@ -32,6 +32,7 @@ class EngineConfig:
     draft_dtype: str | None = None  # defaults to `dtype`; on a CPU a tiny draft runs faster in float32
     num_speculative_tokens: int = 4  # max k
     adaptive_speculation: bool = True
+    async_scheduling: bool | None = None  # overlap host work with the GPU; None: on CUDA without speculation
     num_threads: int = 0  # torch CPU threads for the engine; 0 keeps torch's default
     seed: int = 0
 
@@ -69,6 +70,10 @@ class EngineConfig:
             )
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValidationError("draft_model", "required when speculative_method is 'draft'")
+        if self.async_scheduling and self.speculative_method != "none":
+            raise ValidationError(
+                "async_scheduling", "cannot be combined with speculative decoding (speculative_method 'none' only)"
+            )
         if self.num_threads < 0:
             raise ValidationError("num_threads", f"must be >= 0, got {self.num_threads}")
         if not 0 <= self.num_speculative_tokens <= 16:

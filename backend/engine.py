@@ -4,6 +4,13 @@
     logits = self.runner.run(step_input(batch))
     outputs = self.update(batch, logits)
 
+Overlapped steps (CUDA, no speculation): the GPU never waits for the host. `step()` schedules and
+launches step N+1 and samples it on the device, and only then reads back step N's tokens, whose
+GPU work finished while the host was busy with N+1 (detokenizing, stop checks, outputs). Step N+1
+is scheduled as if every request of step N goes on: its input token is N's sampled token, copied
+on the device; a request that N finished (EOS, stop string) wastes one row of N+1, which is
+dropped; one that N takes to max_tokens is not scheduled again. Outputs come one step later.
+
 Not thread-safe: backend.engine_loop.EngineLoop drives it from one thread.
 """
 from __future__ import annotations
@@ -28,7 +35,7 @@ from backend.request import Request, RequestStatus
 from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
 from backend.rejection_sampler import Proposal, verify_batch
-from backend.sampler import Sampler, SamplingRow, compute_logprobs
+from backend.sampler import Logprobs, Sampler, SamplingRow, compute_logprobs, gather_logprobs
 from backend.speculator import Speculator
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
@@ -49,6 +56,29 @@ class EngineStats:
     spec_draft_tokens_total: int
     spec_accepted_tokens_total: int
     spec_accepted_per_position: list[int]  # draft position i -> tokens accepted there
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A launched overlapped step: the requests it samples a token for, in row order, and the
+    tokens (and asked-for logprobs) on their way to the host; `ready` marks their arrival."""
+    requests: list[Request]
+    rows: list[SamplingRow]
+    device_tokens: torch.Tensor  # [len(requests)] int64, read by the next step's inputs
+    host_tokens: torch.Tensor
+    logprobs: Logprobs | None
+    ready: torch.cuda.Event | None  # None on CPU: the copies are done already
+
+    def row_of(self) -> dict[str, int]:
+        return {r.request_id: i for i, r in enumerate(self.requests)}
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor to (pinned) host memory without waiting for it."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,6 +136,9 @@ class LLMEngine:
         elif config.speculative_method == "ngram":
             proposer = NgramProposer()
         self.speculator = Speculator(proposer, config.num_speculative_tokens, config.adaptive_speculation, self.device)
+        overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.overlap = overlap and proposer is None
+        self.in_flight: InFlightStep | None = None  # overlapped steps: the one launched last
         if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs:
             for runner in [self.runner] + ([proposer.runner] if isinstance(proposer, DraftProposer) else []):
                 runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
@@ -185,17 +218,21 @@ class LLMEngine:
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with an error (after an exception inside a step)."""
         outputs = []
+        self.in_flight = None
         for request in list(self.requests.values()):
+            request.num_pending_tokens = 0
             request.error = message
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
             outputs.append(self._output(request))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # -- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.overlap:
+            return self._overlapped_step()
         started = time.perf_counter()
         self.speculator.reserve(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
@@ -214,16 +251,84 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def step_input(batch: ScheduledBatch) -> StepInput:
+    def step_input(batch: ScheduledBatch, in_flight: InFlightStep | None = None) -> StepInput:
         token_ids, starts, tables, num_logits = [], [], [], []
+        step = StepInput(token_ids, starts, tables, num_logits)
+        row_of = in_flight.row_of() if in_flight is not None else {}
+        flat = 0  # index of the request's first token in the flat batch
         for request, n in zip(batch.requests, batch.num_scheduled_tokens):
             start = request.num_computed_tokens
-            token_ids.append(request.tokens_slice(start, start + n))
+            tokens = request.tokens_slice(start, start + n)
+            if len(tokens) < n:  # the last input was sampled last step and is still on the device
+                tokens.append(0)
+                step.from_device.append((flat + n - 1, row_of[request.request_id]))
+            token_ids.append(tokens)
             starts.append(start)
             tables.append(request.block_table)
             # logits for the last real token and every draft token, once they are all computed
-            num_logits.append(start + n - request.num_tokens + 1 if start + n >= request.num_tokens else 0)
-        return StepInput(token_ids, starts, tables, num_logits)
+            known = request.num_tokens + request.num_pending_tokens
+            num_logits.append(start + n - known + 1 if start + n >= known else 0)
+            flat += n
+        if step.from_device:
+            step.device_tokens = in_flight.device_tokens
+        return step
+
+    # -- overlapped steps -------------------------------------------------------------------------
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Launch step N+1, read back step N, then sample N+1 on the device (its penalties and
+        min_tokens see N's tokens); returns step N's outputs."""
+        batch = self.scheduler.schedule()
+        sampled: list[Request] = []
+        logits = None
+        if batch.requests:
+            self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
+            logits = self.runner.run(self.step_input(batch, self.in_flight))
+            for request, n in zip(batch.requests, batch.num_scheduled_tokens):
+                if request.num_computed_tokens + n >= request.num_tokens_with_spec:
+                    sampled.append(request)
+                request.num_computed_tokens += n
+            for request in sampled:
+                request.num_pending_tokens += 1
+        outputs = self._read_back()
+        if sampled:
+            self.in_flight = self._sample_on_device(sampled, logits)
+        return outputs
+
+    def _sample_on_device(self, requests: list[Request], logits: torch.Tensor) -> InFlightStep:
+        rows = [SamplingRow(r) for r in requests]
+        tokens = self.sampler.sample(self.sampler.distributions(logits.clone(), rows), rows)
+        logprobs = gather_logprobs(logits, tokens, rows)
+        host_tokens = to_host(tokens)
+        if logprobs is not None:
+            logprobs = Logprobs(logprobs.rows, *map(to_host, (logprobs.chosen, logprobs.top_values, logprobs.top_ids)))
+        ready = None
+        if tokens.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return InFlightStep(requests, rows, tokens, host_tokens, logprobs, ready)
+
+    def _read_back(self) -> list[RequestOutput]:
+        """Append the in-flight step's tokens to their requests (those still alive) and return
+        their outputs."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return []
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.host_tokens.tolist()
+        logprobs = step.logprobs.entries(tokens, step.rows) if step.logprobs is not None else [None] * len(tokens)
+        outputs = []
+        for request, token, lp in zip(step.requests, tokens, logprobs):
+            if self.requests.get(request.request_id) is not request:
+                continue  # aborted, or finished by an earlier token: this row was wasted
+            request.num_pending_tokens -= 1
+            self._append_tokens(request, [token], [lp])
+            if request.is_finished:
+                self.scheduler.finish(request, request.status)
+            else:
+                self.block_manager.cache_full_blocks(request)
+            outputs.append(self._output(request))
+        return outputs
 
     def update(
         self, batch: ScheduledBatch, logits: torch.Tensor, draft_probs: dict[str, torch.Tensor] | None = None

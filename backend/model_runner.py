@@ -12,7 +12,7 @@ read one cached token. Mixed steps run eagerly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,10 @@ class StepInput:
     start_positions: list[int]  # per request: position of its first token this step
     block_tables: list[list[int]]  # per request
     num_logits: list[int]  # per request: logits wanted for its last n tokens (0: none)
+    # overlapped steps: inputs that are tokens sampled last step, still on the device, as
+    # (index into the flat input_ids, row of `device_tokens`); token_ids holds 0 there
+    device_tokens: torch.Tensor | None = None
+    from_device: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -123,6 +127,7 @@ class ModelRunner:
             return None
         bucket = min(size for size in self.graphs if size >= b)
         self.decode_inputs.upload(self.graph_inputs(step, bucket), self.graph_io)
+        self._fill_from_device(self.graph_io["input_ids"], step)
         self.graphs[bucket].replay()
         return self.graph_io[f"logits_{bucket}"][:b]
 
@@ -167,6 +172,14 @@ class ModelRunner:
         return (tensor(flat.input_ids, torch.int64), tensor(flat.positions, torch.int64), meta,
                 tensor(flat.logits_indices, torch.int64))
 
+    def _fill_from_device(self, input_ids: torch.Tensor, step: StepInput) -> None:
+        """Put the inputs sampled last step (still on the device) in place, without a sync."""
+        if not step.from_device:
+            return
+        dst, src = zip(*step.from_device)
+        index = torch.tensor([dst, src], dtype=torch.int64).to(self.device, non_blocking=True)
+        input_ids.index_copy_(0, index[0], step.device_tokens.index_select(0, index[1]))
+
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:  # [sum(num_logits), vocab] float32
         if self.graphs:
@@ -174,4 +187,5 @@ class ModelRunner:
             if logits is not None:
                 return logits
         input_ids, positions, meta, logits_indices = self.prepare(step)
+        self._fill_from_device(input_ids, step)
         return self.model(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices)

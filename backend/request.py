@@ -48,6 +48,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
     num_lookahead_tokens: int = 0  # draft tokens the scheduler reserves room for this step
     num_draft_computed_tokens: int = 0  # tokens whose K/V are in the draft model's pool
+    num_pending_tokens: int = 0  # sampled on the device, not read back yet (overlapped steps)
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     # timestamps (time.monotonic())
     arrival_time: float = field(default_factory=time.monotonic)
@@ -78,7 +79,13 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return self.num_tokens + self.num_lookahead_tokens
+        """Tokens to compute up to: known ones, those still on the device, and draft tokens."""
+        return self.num_tokens + self.num_pending_tokens + self.num_lookahead_tokens
+
+    @property
+    def length_done_once_pending_land(self) -> bool:
+        """The tokens still on the device take the request to max_tokens: nothing left to compute."""
+        return self.num_pending_tokens > 0 and self.num_output_tokens + self.num_pending_tokens >= self.params.max_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -14,6 +14,12 @@ import torch
 from backend.request import Request
 
 
+def on_device(values, device, dtype=None) -> torch.Tensor:
+    """A host list as a tensor on `device`, uploaded without waiting for queued device work (a
+    plain upload would wait for the forward in flight when steps overlap)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass(slots=True)
 class SamplingRow:
     request: Request
@@ -32,13 +38,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         p = row.request.params
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             output = row.request.output_token_ids + row.extra_output
-            out_ids = torch.tensor(output, dtype=torch.long, device=logits.device)
+            out_ids = on_device(output, logits.device, torch.long)
             counts = torch.zeros(vocab, device=logits.device).index_add_(
                 0, out_ids, torch.ones(len(output), device=logits.device)
             )
             if p.repetition_penalty != 1.0:
                 seen = counts > 0
-                seen[torch.tensor(row.request.prompt_token_ids, device=logits.device)] = True
+                seen[on_device(row.request.prompt_token_ids, logits.device, torch.long)] = True
                 x = logits[i]
                 penalized = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
                 logits[i] = torch.where(seen, penalized, x)
@@ -49,7 +55,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         if row.num_output < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.request.eos_token_ids))
             if banned:
-                logits[i, banned] = float("-inf")
+                logits[i, on_device(banned, logits.device, torch.long)] = float("-inf")
     return logits
 
 
@@ -59,26 +65,26 @@ def probs_from_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     n, vocab = logits.shape
     device = logits.device
     params = [r.request.params for r in rows]
-    greedy = torch.tensor([p.greedy for p in params], device=device)
-    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    temperature = on_device([p.temperature if not p.greedy else 1.0 for p in params], device)
     x = logits / temperature[:, None]
     top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
     if any(k < vocab for k in top_k) or any(t < 1.0 for t in top_p):
         sorted_x, order = x.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
-        drop = rank >= torch.tensor(top_k, device=device)[:, None]
+        drop = rank >= on_device(top_k, device)[:, None]
         sorted_probs = sorted_x.masked_fill(drop, float("-inf")).softmax(-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]  # keeps the top token
+        drop |= mass_before >= on_device(top_p, device)[:, None]  # keeps the top token
         x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
     probs = x.softmax(-1)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    if (min_p > 0).any():
+    if any(p.min_p > 0 for p in params):
+        min_p = on_device([p.min_p for p in params], device)
         keep = probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
         probs = probs * keep
         probs = probs / probs.sum(-1, keepdim=True)
-    if greedy.any():
+    if any(p.greedy for p in params):
+        greedy = on_device([p.greedy for p in params], device)
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
@@ -90,7 +96,7 @@ def uniform_noise(rows: list[SamplingRow], device, generator) -> torch.Tensor:
     for i, row in enumerate(rows):
         if row.request.generator is not None:
             u[i] = torch.rand(1, generator=row.request.generator)[0]
-    return u.to(device)
+    return u.to(device, non_blocking=True)
 
 
 def inverse_cdf(probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator) -> torch.Tensor:
@@ -109,29 +115,51 @@ def sample_from_probs(probs: torch.Tensor, rows: list[SamplingRow], generator: t
     if all(greedy):
         return tokens
     sampled_rows = [r for r, g in zip(rows, greedy) if not g]
-    idx = torch.tensor([i for i, g in enumerate(greedy) if not g], device=probs.device)
+    idx = on_device([i for i, g in enumerate(greedy) if not g], probs.device, torch.long)
     tokens[idx] = inverse_cdf(probs[idx], sampled_rows, generator)
     return tokens
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Log-probabilities of the rows that asked for them, gathered where the logits are: `rows`
+    (indices), the chosen token's [len(rows)] and the top-n values and ids [len(rows), max n]."""
+    rows: list[int]
+    chosen: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def entries(self, tokens: list[int], rows: list[SamplingRow]) -> list[dict | None]:
+        """One entry per row (None where not asked): the chosen token's and the top-n logprobs."""
+        out: list[dict | None] = [None] * len(rows)
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        for j, i in enumerate(self.rows):
+            n = rows[i].request.params.logprobs
+            out[i] = {"token_id": tokens[i], "logprob": chosen[j], "top": dict(zip(ids[j][:n], values[j][:n]))}
+        return out
+
+
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> Logprobs | None:
+    """Log-probabilities of the model's raw distribution for the rows that want them, computed on
+    the logits' device without reading anything back; None when no row wants them."""
+    wanted = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None]
+    if not wanted:
+        return None
+    index = on_device(wanted, logits.device, torch.long)
+    logp = torch.log_softmax(logits.index_select(0, index), dim=-1)
+    chosen = logp.gather(1, tokens.to(logits.device).index_select(0, index)[:, None])[:, 0]
+    top = logp.topk(max(max(rows[i].request.params.logprobs for i in wanted), 1), dim=-1)
+    return Logprobs(wanted, chosen, top.values, top.indices)
 
 
 def compute_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
 ) -> list[dict | None]:
     """Log-probabilities of the model's raw distribution: the chosen token and the top-n."""
-    out: list[dict | None] = [None] * len(rows)
-    wanted = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None]
-    if not wanted:
-        return out
-    logp = torch.log_softmax(logits[wanted], dim=-1)
-    for j, i in enumerate(wanted):
-        n = rows[i].request.params.logprobs
-        token = int(tokens[i])
-        entry = {"token_id": token, "logprob": float(logp[j, token]), "top": {}}
-        if n:
-            values, ids = logp[j].topk(n)
-            entry["top"] = {int(t): float(v) for t, v in zip(ids, values)}
-        out[i] = entry
-    return out
+    found = gather_logprobs(logits, tokens, rows)
+    if found is None:
+        return [None] * len(rows)
+    return found.entries(tokens.tolist(), rows)
 
 
 class Sampler:

@@ -1,7 +1,8 @@
 """Iteration-level scheduler: one token budget per step, no prefill or decode phases.
 
 Each step every running request asks for the tokens it has not computed yet (1 when decoding,
-1 + k when verifying k draft tokens, a chunk while prefilling); waiting requests are then admitted
+1 + k when verifying k draft tokens, a chunk while prefilling; with overlapped steps a decoding
+request's input may be a token sampled last step and still on the device); waiting requests are then admitted
 with whatever budget, sequence slots and blocks are left (chunked prefill). A running request that
 cannot get a block preempts the newest running request: its blocks are freed and it goes back to
 the head of the waiting queue to be recomputed later. Nothing is ever dropped.
@@ -53,6 +54,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.length_done_once_pending_land:
+                i += 1
+                continue
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             while not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
                 victim = self.running[-1]
@@ -70,6 +74,8 @@ class Scheduler:
         # admit waiting requests, unless this step already had to preempt
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:  # preempted with a token still on the device: next step
+                break
             if request.num_computed_tokens == 0:
                 request.num_computed_tokens = self.block_manager.match_prefix(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
