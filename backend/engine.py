@@ -35,7 +35,7 @@ from backend.request import Request, RequestStatus
 from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
 from backend.rejection_sampler import Proposal, verify_batch
-from backend.sampler import Logprobs, Sampler, SamplingRow, compute_logprobs, gather_logprobs
+from backend.sampler import Logprobs, Sampler, SamplingRow, compute_logprobs, gather_logprobs, wants_logprobs
 from backend.speculator import Speculator
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
@@ -230,6 +230,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # -- one iteration ----------------------------------------------------------------------------
+    @torch.inference_mode()  # sampling changes the forward's logits in place
     def step(self) -> list[RequestOutput]:
         if self.overlap:
             return self._overlapped_step()
@@ -296,7 +297,8 @@ class LLMEngine:
 
     def _sample_on_device(self, requests: list[Request], logits: torch.Tensor) -> InFlightStep:
         rows = [SamplingRow(r) for r in requests]
-        tokens = self.sampler.sample(self.sampler.distributions(logits.clone(), rows), rows)
+        work = logits.clone() if wants_logprobs(rows) else logits  # penalties change it in place
+        tokens = self.sampler.sample(self.sampler.distributions(work, rows), rows)
         logprobs = gather_logprobs(logits, tokens, rows)
         host_tokens = to_host(tokens)
         if logprobs is not None:
@@ -343,7 +345,8 @@ class LLMEngine:
             rows += [SamplingRow(r, r.spec_token_ids[:i]) for i in range(len(r.spec_token_ids) + 1)]
         if not rows:
             return []
-        probs = self.sampler.distributions(logits.clone(), rows)  # logits kept raw for logprobs
+        work = logits.clone() if wants_logprobs(rows) else logits  # kept raw for logprobs
+        probs = self.sampler.distributions(work, rows)
         chosen = [0] * len(rows)  # token per row
         plain = [i for i, row in enumerate(rows) if not row.request.spec_token_ids]  # no drafts to verify
         if plain:

@@ -139,6 +139,10 @@ class Logprobs:
         return out
 
 
+def wants_logprobs(rows: list[SamplingRow]) -> bool:
+    return any(r.request.params.logprobs is not None for r in rows)
+
+
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> Logprobs | None:
     """Log-probabilities of the model's raw distribution for the rows that want them, computed on
     the logits' device without reading anything back; None when no row wants them."""

@@ -73,18 +73,25 @@ def engine_decode_latency(engine: LLMEngine, prompt: list[int], new_tokens: int,
     return (time.perf_counter() - started) / steps
 
 
-def kernel_table(engine: LLMEngine, prompt: list[int], new_tokens: int = 33) -> str:
-    """GPU kernels of batch-1 decode steps (torch.profiler), by total time, per step."""
+def kernel_table(engine: LLMEngine, prompts: list[list[int]], steps: int = 32) -> str:
+    """GPU kernels of `steps` decode steps of len(prompts) requests (torch.profiler), by time."""
     from torch.profiler import ProfilerActivity, profile
 
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()  # prefill
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine_decode_latency(engine, prompt, new_tokens)
-    steps = new_tokens - 1
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+    while engine.has_unfinished_requests():
+        engine.step()
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count >= steps]
     kernels.sort(key=lambda e: -e.device_time_total)
     total_us = sum(e.device_time_total for e in kernels) / steps
-    lines = [f"{sum(e.count for e in kernels) / steps:.0f} kernels, {total_us:.0f} us of GPU time per step "
-             f"(kernels run at least once a step)", "| kernel | per step | us per step |", "|---|---|---|"]
+    lines = [f"batch {len(prompts)}: {sum(e.count for e in kernels) / steps:.0f} kernels, {total_us:.0f} us of GPU "
+             f"time per step (kernels run at least once a step)", "| kernel | per step | us per step |", "|---|---|---|"]
     for e in kernels[:15]:
         lines.append(f"| {e.key[:70]} | {e.count / steps:.1f} | {e.device_time_total / steps:.1f} |")
     return "\n".join(lines)
@@ -265,7 +272,7 @@ def main() -> None:
                                   num_blocks=e.num_blocks, step_times=times.summary())
         if device.type == "cuda":
             try:
-                results["batch1_kernels"] = kernel_table(engine, prompt512)
+                results["kernels"] = "\n\n".join(kernel_table(engine, batch) for batch in ([prompt512], prompts[:128]))
             except Exception:  # the profile explains; the figures above stand without it
                 traceback.print_exc()
         del modes, e
@@ -294,8 +301,8 @@ def main() -> None:
             idle = 1 - k["gpu_forward_s"] / k["wall_s"] if k["gpu_forward_s"] else float("nan")
             print(f"| {kind} | {k['steps']} | {k['mean_requests']:.0f} | {k['tokens_out']:,} | {k['wall_s']:.2f} | "
                   f"{k['gpu_forward_s']:.2f} | {idle:.0%} |")
-    if "batch1_kernels" in results:
-        print("\nbatch-1 decode, GPU kernels (overlapped steps):\n" + results["batch1_kernels"])
+    if "kernels" in results:
+        print("\ndecode steps, GPU kernels (overlapped steps):\n" + results["kernels"])
     print(f"\nengine vs HF: {hf_ms / best['ms_per_token']:.1f}x lower latency, "
           f"{best['tok_s'] / results['hf_static_tok_s']:.1f}x throughput; first-token agreement with HF "
           f"{results['first_token_agreement']}")

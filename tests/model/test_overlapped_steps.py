@@ -38,7 +38,7 @@ def requests(seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
 
 
 def run(async_scheduling: bool, abort_after: dict[str, int] | None = None, **knobs) -> tuple[dict, LLMEngine]:
-    config = dict(model=str(TARGET), max_num_seqs=6, max_num_batched_tokens=48, block_size=16)
+    config = dict(model=str(TARGET), max_num_seqs=6, max_num_batched_tokens=48, block_size=16, num_kv_blocks=256)
     config.update(knobs)
     engine = LLMEngine(EngineConfig(**config, async_scheduling=async_scheduling))
     for i, (prompt, params) in enumerate(requests()):
@@ -104,7 +104,7 @@ def test_abort_while_a_token_is_in_flight():
 def test_async_scheduling_and_speculation_are_exclusive():
     with pytest.raises(ValidationError, match="async_scheduling"):
         EngineConfig(model=str(TARGET), async_scheduling=True, speculative_method="ngram")
-    engine = LLMEngine(EngineConfig(model=str(TARGET), speculative_method="ngram"))
+    engine = LLMEngine(EngineConfig(model=str(TARGET), speculative_method="ngram", num_kv_blocks=16))
     assert not engine.overlap  # the default (None) leaves speculating engines on plain steps
 
 
@@ -114,7 +114,8 @@ def test_request_done_by_length_is_not_scheduled_again():
     of the context."""
     computed = {}
     for async_scheduling in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(TARGET), max_model_len=64, async_scheduling=async_scheduling))
+        engine = LLMEngine(EngineConfig(model=str(TARGET), max_model_len=64, num_kv_blocks=16,
+                                        async_scheduling=async_scheduling))
         schedule = engine.scheduler.schedule
         counts = []
         engine.scheduler.schedule = lambda: counts.append(batch := schedule()) or batch
