@@ -72,7 +72,8 @@ class ModeChooser:
         and go); None when neither can tell."""
         for candidate in (b, b - 1, b + 1):
             if self._warm(candidate):
-                return self._rate((True, candidate)) >= self._rate((False, candidate))
+                # a tie goes to plain decoding: switching speculation on has costs of its own
+                return self._rate((True, candidate)) > self._rate((False, candidate))
         return None
 
     def speculate(self, num_requests: int) -> bool:
