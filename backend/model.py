@@ -6,20 +6,21 @@ the checkpoint's separate tensors, see PACKED_PROJECTIONS). The forward takes th
 flattened (no padding) and an `AttentionMetadata` that says where each request's queries sit and
 where their K/V go in the paged cache.
 
-RMSNorm (with the residual add folded in) and RoPE run as torch op chains, or as one Triton kernel
-each when `use_triton_kernels` is set (CUDA, or CPU under TRITON_INTERPRET=1).
+RMSNorm (with the residual add folded in), RoPE and the MLP's SiLU-multiply run as torch op
+chains, or as one Triton kernel each when `use_triton_kernels` is set (CUDA, or CPU under
+TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from backend.attention import AttentionBackend, AttentionMetadata
 from kernels.rms_norm import rms_norm, rms_norm_ref  # Triton itself is imported on a kernel's first call
 from kernels.rotary import apply_rotary, apply_rotary_ref
+from kernels.silu_mul import silu_mul, silu_mul_ref
 
 
 @dataclass(slots=True)
@@ -125,13 +126,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.intermediate_size = args.intermediate_size
         self.gate_up_proj = PackedLinear(args.hidden_size, [args.intermediate_size] * 2, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.use_triton_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = silu_mul if self.use_triton_kernels else silu_mul_ref
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -187,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x).float()
 
     def use_triton_kernels(self, enabled: bool) -> None:
-        """Run RMSNorm and RoPE as Triton kernels (attention is the AttentionBackend's choice)."""
+        """Run RMSNorm, RoPE and SiLU-multiply as Triton kernels (attention is the
+        AttentionBackend's choice)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
                 module.use_triton_kernels = enabled
