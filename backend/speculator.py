@@ -25,6 +25,7 @@ EXPLORE_STEPS = 4  # ... for this many steps in a row (one speculative step's yi
 MAX_EXPLORE_EVERY = 128  # each burst that confirms the choice doubles the wait, up to this
 WARMUP_SAMPLES = 4  # steps of each mode measured (alternating) before the rates are compared
 DECAY = 0.9  # per step measured in a mode, weight kept by that mode's earlier steps
+SWITCH_BUDGET = 0.03  # bursts that switch speculation on spend at most this share of the time on catch-ups
 
 
 @dataclass(slots=True)
@@ -33,6 +34,10 @@ class _Bucket:
     explore_at: int = EXPLORE_EVERY  # step at which the next exploration burst starts
     interval: int = EXPLORE_EVERY
     preferred: bool = True  # the choice when the current burst started
+    speculating: bool = False  # the last choice outside bursts
+    steady: bool = False  # this step speculates, as the one before did (no switch, no burst)
+    last_burst: int = 0  # step at which the last exploration burst ended
+    switch_seconds: float = 0.0  # measured cost of switching speculation on (the drafts' catch-up)
 
 
 class ModeChooser:
@@ -66,24 +71,48 @@ class ModeChooser:
     def _warm(self, b: int) -> bool:
         return min(self.samples.get((True, b), 0), self.samples.get((False, b), 0)) >= WARMUP_SAMPLES
 
-    def _faster(self, b: int) -> bool | None:
+    def _faster(self, b: int, num_requests: int) -> bool | None:
         """Is speculation faster in bucket b? Judged by the bucket itself once both modes are
         measured there, meanwhile by a measured neighbour (batch sizes change as requests come
-        and go); None when neither can tell."""
+        and go); None when neither can tell. Switching speculation on costs the drafts' catch-up
+        on what they missed, so from plain decoding it must win by enough to earn that back
+        before the next exploration burst (a tie goes to plain decoding)."""
+        state = self.buckets[b]
         for candidate in (b, b - 1, b + 1):
             if self._warm(candidate):
-                # a tie goes to plain decoding: switching speculation on has costs of its own
-                return self._rate((True, candidate)) > self._rate((False, candidate))
+                on, off = self._rate((True, candidate)), self._rate((False, candidate))
+                if state.speculating:
+                    return on > off
+                step_seconds = num_requests / max(off, 1e-9)  # a plain step yields a token per request
+                return on > off * (1 + state.switch_seconds / (state.interval * step_seconds))
         return None
+
+    def steady(self, num_requests: int) -> bool:
+        """The latest choice at this batch size kept speculation on (not a switch, not a burst)."""
+        state = self.buckets.get(self.bucket(num_requests))
+        return state is not None and state.steady
+
+    def charge_switch(self, num_requests: int, seconds: float) -> None:
+        """What switching speculation on just cost in this bucket (a step's catch-up beyond its
+        usual draft work), kept as a running mean."""
+        state = self.buckets.setdefault(self.bucket(num_requests), _Bucket())
+        state.switch_seconds = 0.5 * state.switch_seconds + 0.5 * seconds if state.switch_seconds else seconds
 
     def speculate(self, num_requests: int) -> bool:
         b = self.bucket(num_requests)
         state = self.buckets.setdefault(b, _Bucket())
         state.steps += 1
-        better = self._faster(b)
+        better = self._faster(b, num_requests)
+        state.steady = False
         if better is None:  # nothing measured here or nearby: measure both, alternating
             n_on, n_off = self.samples.get((True, b), 0), self.samples.get((False, b), 0)
             return n_on < n_off or (n_on == n_off and state.steps % 2 == 1)
+        off_rate = self.rate(False, num_requests)
+        if state.steps == state.explore_at and not better and state.switch_seconds and off_rate:
+            # trying speculation again costs a catch-up: keep such bursts to SWITCH_BUDGET of the
+            # time (a plain step takes num_requests / off_rate seconds)
+            gap = int(state.switch_seconds * off_rate / (SWITCH_BUDGET * num_requests))
+            state.explore_at = max(state.explore_at, state.last_burst + gap)
         burst_end = state.explore_at + EXPLORE_STEPS
         if state.steps == state.explore_at:
             state.preferred = better
@@ -93,6 +122,9 @@ class ModeChooser:
             confirmed = better == state.preferred
             state.interval = min(2 * state.interval, MAX_EXPLORE_EVERY) if confirmed else EXPLORE_EVERY
             state.explore_at = state.steps + state.interval
+            state.last_burst = state.steps
+        state.steady = better and state.speculating
+        state.speculating = better
         return better
 
     def observe(self, speculating: bool, num_requests: int, num_tokens: int, seconds: float) -> None:
@@ -112,6 +144,7 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.catching_up = False  # this step's draft reads more than the last step's tokens
+        self.catch_up_seconds = 0.0  # ... and what that costs beyond a usual first draft forward
         self.proposed_per_position = [0] * max_k  # draft position i -> tokens proposed there
         self.accepted_per_position = [0] * max_k  # draft position i -> tokens accepted there
 
@@ -143,7 +176,7 @@ class Speculator:
 
     def reserve(self, running: list[Request], max_model_len: int) -> None:
         """Choose k per decoding request and reserve room for its draft tokens."""
-        self.catching_up = False
+        self.catching_up, self.catch_up_seconds = False, 0.0
         if self.proposer is None:
             return
         candidates = [r for r in running if r.params.speculative and r.num_computed_tokens == r.num_tokens - 1]
@@ -185,7 +218,11 @@ class Speculator:
         # a draft that sat out steps first reads what it missed: a one-off cost of switching on,
         # which the mode chooser must not take for the steady rate when it dominates the step
         behind = sum(r.num_tokens - r.num_draft_computed_tokens for r in to_draft)
-        self.catching_up = behind > 2 * sum(k + 1 for k in ks)
+        usual = sum(k + 1 for k in ks)
+        self.catching_up = behind > 2 * usual
+        first = self.controller.draft_first_cost
+        if self.catching_up and first.ready:
+            self.catch_up_seconds = max(first(behind) - first(usual), 0.0)
         proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward)
         probs = {}
         for r, (tokens, q) in zip(to_draft, proposals):
@@ -198,8 +235,14 @@ class Speculator:
         draft tokens, nothing else) to the mode chooser."""
         if self.proposer is None or not self.controller.adaptive:
             return
-        if not self.decode_only(batch, lookahead) or self.catching_up:
+        if not self.decode_only(batch, lookahead):
             return
+        if self.catching_up and not self.modes.steady(len(batch.requests)):
+            # the drafts catch up on what they missed while speculation was off (or on whole
+            # prompts, when speculation is new here): what switching it on costs, not its rate
+            self.modes.charge_switch(len(batch.requests), self.catch_up_seconds)
+            return
+        # with speculation on, new requests' drafts reading their prompts are part of its rate
         self.modes.observe(any(lookahead), len(batch.requests), num_new_tokens, seconds)
 
     def forget(self, request: Request) -> None:

@@ -5,7 +5,7 @@ import pytest
 from backend.request import Request
 from backend.sampling_params import SamplingParams
 from backend.spec_controller import SpecController, Survival, expected_tokens, speedup
-from backend.speculator import EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, WARMUP_SAMPLES, ModeChooser
+from backend.speculator import EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, SWITCH_BUDGET, WARMUP_SAMPLES, ModeChooser
 
 
 def test_formula_values():
@@ -189,3 +189,49 @@ def test_mode_chooser_borrows_a_measured_neighbour_bucket_and_alternates_while_b
         m.observe(False, 64, 200, 1.0)
     # the batch shrank to 40 requests (the next bucket down): no new warm-up with speculation on
     assert [m.speculate(40) for _ in range(EXPLORE_EVERY - 1)].count(True) == 0
+
+
+def test_mode_chooser_switches_speculation_on_only_when_it_earns_the_switch_back():
+    """From plain decoding, speculation must beat it by enough to pay the drafts' catch-up before
+    the next exploration burst; a gain too small for that stays off."""
+    def settled(on_rate: float, switch_seconds: float) -> str:
+        m = ModeChooser()
+        _choices(m, 2 * WARMUP_SAMPLES, lambda on: (150, 1.0))  # warm-up: a tie
+        for _ in range(40):  # speculation's rate is now about on_rate (older samples decayed)
+            m.observe(True, 8, on_rate, 1.0)
+        m.charge_switch(8, switch_seconds)
+        return _choices(m, EXPLORE_EVERY // 2)
+
+    # a plain step of 8 requests at 150 tok/s takes 53 ms: a 0.2 s switch over the 32 steps before
+    # the next burst asks for a 12% gain
+    assert settled(140, 0.0) == "0" * (EXPLORE_EVERY // 2)  # slower stays off
+    assert settled(160, 0.2) == "0" * (EXPLORE_EVERY // 2)  # +6.5%: does not pay the switch
+    assert settled(160, 0.0) == "1" * (EXPLORE_EVERY // 2)  # ... and does when switching is free
+    assert settled(180, 0.2) == "1" * (EXPLORE_EVERY // 2)  # +20% pays it
+
+
+def test_mode_chooser_keeps_costly_switch_on_bursts_to_a_budget():
+    """Bursts that try speculation again from plain decoding make every draft catch up: when
+    that is dear, they come no more often than SWITCH_BUDGET of the time pays for."""
+    off_is_faster = lambda on: (100 if on else 150, 1.0)  # noqa: E731
+    cheap, dear = ModeChooser(), ModeChooser()
+    for m in (cheap, dear):
+        _choices(m, 2 * WARMUP_SAMPLES, off_is_faster)
+    dear.charge_switch(8, 1.0)  # a plain step of 8 requests at 150 tok/s takes 53 ms
+    gap = 1.0 * 150 / (SWITCH_BUDGET * 8)  # steps between such bursts: 625
+    assert _choices(cheap, 400, off_is_faster).count("1") == 4 * EXPLORE_STEPS  # bursts at 32, 100, 232, 364
+    choices = _choices(dear, 700, off_is_faster)
+    assert choices.index("1") >= gap - 2 * WARMUP_SAMPLES - 1 and choices.count("1") == EXPLORE_STEPS
+
+
+def test_mode_chooser_tells_a_steady_speculating_step_from_a_switch():
+    """A draft catch-up in a steady speculating step (a new request reading its prompt) counts in
+    speculation's rate; one in a step that switched speculation on is the switch's cost."""
+    m = ModeChooser()
+    on_is_faster = lambda on: (200 if on else 150, 1.0)  # noqa: E731
+    _choices(m, 2 * WARMUP_SAMPLES, on_is_faster)  # warm-up alternation: never steady
+    assert not m.steady(8)
+    assert m.speculate(8) and not m.steady(8)  # the first choice after warm-up switches it on
+    assert m.speculate(8) and m.steady(8)  # then it stays on
+    m.buckets[m.bucket(8)].explore_at = m.buckets[m.bucket(8)].steps + 1
+    assert not m.speculate(8) and not m.steady(8)  # an exploration burst without speculation
