@@ -215,8 +215,8 @@ class Speculator:
                 r.num_lookahead_tokens, r.spec_token_ids = 0, []
         if not to_draft:
             return {}
-        # a draft that sat out steps first reads what it missed: a one-off cost of switching on,
-        # which the mode chooser must not take for the steady rate when it dominates the step
+        # a draft that sat out steps (or is new) first reads what it missed; when that dominates
+        # the step, its cost beyond a usual first forward is estimated for the mode chooser
         behind = sum(r.num_tokens - r.num_draft_computed_tokens for r in to_draft)
         usual = sum(k + 1 for k in ks)
         self.catching_up = behind > 2 * usual
