@@ -116,14 +116,18 @@ def test_request_done_by_length_is_not_scheduled_again():
     for async_scheduling in (False, True):
         engine = LLMEngine(EngineConfig(model=str(TARGET), max_model_len=64, num_kv_blocks=16,
                                         async_scheduling=async_scheduling))
-        schedule = engine.scheduler.schedule
-        counts = []
-        engine.scheduler.schedule = lambda: counts.append(batch := schedule()) or batch
+        schedule, batches = engine.scheduler.schedule, []
+
+        def counted_schedule(schedule=schedule, batches=batches):
+            batches.append(schedule())
+            return batches[-1]
+
+        engine.scheduler.schedule = counted_schedule
         engine.add_request(list(range(3, 53)), SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))
         engine.add_request(list(range(3, 20)), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
         tokens = []
         while engine.has_unfinished_requests():
             tokens += [t for out in engine.step() for t in out.token_ids]
         assert len(tokens) == 19 and engine.block_manager.num_free_blocks == engine.num_blocks
-        computed[async_scheduling] = sum(batch.total_tokens for batch in counts)
+        computed[async_scheduling] = sum(batch.total_tokens for batch in batches)
     assert computed[True] == computed[False] == 50 + 13 + 17 + 4
