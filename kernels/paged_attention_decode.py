@@ -150,6 +150,7 @@ def paged_decode_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,  # host-side hint; read from seq_lens (a sync) only if needed
     num_splits: int | None = None,  # None: default_num_splits; 1: no split-KV
+    block_n: int | None = None,  # context tokens per K/V tile; None: tile_config's (benchmarks try others)
 ) -> torch.Tensor:  # [batch, num_heads, head_dim]
     """Any num_splits gives the same answer (each request's tiles are shared out by its own
     seq_len inside the kernel), so a fixed count, e.g. under CUDA graphs, only costs speed."""
@@ -169,6 +170,10 @@ def paged_decode_attention(
 
     block_g = max(16, triton.next_power_of_2(shape.group_size))
     tiles = tile_config(shape.head_dim, q.dtype, block_g)
+    if block_n is not None:
+        if block_n < 16 or block_n & (block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+        tiles.block_n = block_n
     common = dict(
         GROUP=shape.group_size, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size,
         BLOCK_G=block_g, BLOCK_D=tiles.block_d, BLOCK_N=tiles.block_n,

@@ -16,6 +16,8 @@ warm-up; medians. The KV cache (512 MiB at the defaults) is far larger than L2.
     python perf/bench_kernels.py                           # batch 64, context 2048, 32/8 heads of 128, bf16
     python perf/bench_kernels.py --num-splits 1 2 4        # also time forced split-KV counts
     python perf/bench_kernels.py --batch 4 --context 32768 # small batch, long context: split-KV
+    python perf/bench_kernels.py --head-dim 64 --batch 128 --min-context 128 --context 1024 --block-n 32 64 128
+                                                           # the 1B shape's ragged decode, tile widths
 """
 from __future__ import annotations
 
@@ -60,16 +62,25 @@ def make_inputs(args: argparse.Namespace, dtype: torch.dtype, generator: torch.G
         k_cache=randn(*shape),
         v_cache=randn(*shape),
         cu_seqlens_q=torch.arange(args.batch + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.full((args.batch,), args.context, dtype=torch.int32, device=device),
+        seq_lens=seq_lens(args).to(device),
         block_tables=block_tables.view(args.batch, blocks_per_seq),
         scale=args.head_dim**-0.5,
     )
 
 
-def bytes_read(args: argparse.Namespace, itemsize: int) -> int:
-    kv = args.batch * args.context * args.num_kv_heads * args.head_dim * itemsize * 2
+def seq_lens(args: argparse.Namespace) -> torch.Tensor:
+    """Every request at --context tokens, or ragged: uniform in [--min-context, --context]."""
+    low = args.min_context or args.context
+    g = torch.Generator().manual_seed(args.seed)
+    return torch.randint(low, args.context + 1, (args.batch,), generator=g, dtype=torch.int32)
+
+
+def bytes_read(args: argparse.Namespace, itemsize: int, lens: torch.Tensor) -> int:
+    tokens = int(lens.sum())
+    kv = tokens * args.num_kv_heads * args.head_dim * itemsize * 2
     q_out = args.batch * args.num_heads * args.head_dim * itemsize * 2
-    metadata = args.batch * -(-args.context // args.block_size) * 4 + args.batch * 4 + (args.batch + 1) * 4
+    blocks = int((-(-lens // args.block_size)).sum())
+    metadata = blocks * 4 + args.batch * 4 + (args.batch + 1) * 4
     return kv + q_out + metadata
 
 
@@ -91,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=2048, help="tokens per request, all in the cache")
+    parser.add_argument("--min-context", type=int, default=0,
+                        help="ragged contexts: each request uniform in [min-context, context]")
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -98,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--num-splits", type=int, nargs="*", default=[],
                         help="also time the decode kernel with these forced split-KV counts")
+    parser.add_argument("--block-n", type=int, nargs="*", default=[],
+                        help="also time the decode kernel (1 split) with these K/V tile widths")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--ceiling-tbps", type=float, default=4.25, help="HBM bandwidth to compare against")
@@ -126,10 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         variants[f"triton decode, num_splits={n}"] = (
             lambda n=n: paged_decode_attention(*inputs.args(), **hints, num_splits=n)
         )
+    for n in args.block_n:
+        variants[f"triton decode, 1 split, block_n={n}"] = (
+            lambda n=n: paged_decode_attention(*inputs.args(), **hints, num_splits=1, block_n=n)
+        )
     variants["torch paged_attention_ref"] = lambda: paged_attention_ref(*inputs.args(), **hints)
 
+    context = f"{args.min_context}-{args.context}" if args.min_context else f"{args.context}"
     print(
-        f"decode attention: batch {args.batch}, context {args.context}, {args.num_heads} query heads, "
+        f"decode attention: batch {args.batch}, context {context}, {args.num_heads} query heads, "
         f"{args.num_kv_heads} KV heads of {args.head_dim}, block size {args.block_size}, {args.dtype}, "
         f"{torch.cuda.get_device_name()} ({num_sms} SMs)"
     )
@@ -146,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             print("bench_kernels: a variant disagrees with the float32 reference; not timing wrong kernels")
             return 1
 
-    nbytes = bytes_read(args, inputs.q.element_size())
+    nbytes = bytes_read(args, inputs.q.element_size(), inputs.seq_lens.cpu())
     print(f"bytes read per call: {nbytes / 2**20:.1f} MiB; ceiling {args.ceiling_tbps} TB/s "
           f"= {nbytes / (args.ceiling_tbps * 1e12) * 1e6:.1f} us")
     print(f"  {'variant':<44} {'median us':>10} {'TB/s':>7} {'of ceiling':>10}")

@@ -18,9 +18,9 @@ fi
 if [[ $STEPS == *bandwidth* ]]; then
   echo "== decode attention bandwidth"
   timeout 90 $PY perf/bench_kernels.py --num-splits 1 2 4 2>&1 | tail -25 | tee "$OUT/bench_kernels.txt"
-  echo "== decode attention at the end-to-end shape (1B: head_dim 64, batch 128, mean context 576)"
-  timeout 90 $PY perf/bench_kernels.py --head-dim 64 --batch 128 --context 576 --num-splits 1 2 2>&1 | tail -25 \
-    | tee -a "$OUT/bench_kernels.txt"
+  echo "== decode attention at the end-to-end shape (1B: head_dim 64, batch 128, contexts 128-1024)"
+  timeout 90 $PY perf/bench_kernels.py --head-dim 64 --batch 128 --min-context 128 --context 1024 \
+    --num-splits 1 2 --block-n 32 64 128 2>&1 | tail -25 | tee -a "$OUT/bench_kernels.txt"
 fi
 if [[ $STEPS == *e2e* ]]; then
   echo "== end to end, Llama-3.2-1B shape, bf16"

@@ -44,6 +44,17 @@ def test_decode_split_equals_unsplit(make_paged_batch, tolerances):
     torch.testing.assert_close(unsplit.double(), expected, **tolerances[torch.float32])
 
 
+@pytest.mark.parametrize("block_n", [16, 128])
+def test_decode_any_tile_width_gives_the_reference(make_paged_batch, tolerances, block_n):
+    """Tiles narrower and wider than a block (16 tokens here), as the benchmark tries them."""
+    batch = make_paged_batch([1, 16, 150, 300], [1] * 4, 8, 2, 64, 16, torch.bfloat16)
+    out = paged_decode_attention(*batch.args(), 0.125, num_splits=1, block_n=block_n)
+    expected = paged_attention_ref(*batch.float64_args(), 0.125)
+    torch.testing.assert_close(out.double(), expected, **tolerances[torch.bfloat16])
+    with pytest.raises(ValueError, match="block_n"):
+        paged_decode_attention(*batch.args(), 0.125, block_n=48)
+
+
 def test_decode_rejects_several_queries_per_request(make_paged_batch):
     batch = make_paged_batch([4, 6], [2, 1], 4, 4, 64, 8, torch.float32)
     with pytest.raises(ValueError, match="one query per request"):
