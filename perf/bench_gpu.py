@@ -198,6 +198,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--hf-requests", type=int, default=64, help="HF static batches run on this many")
     ap.add_argument("--hbm-tbps", type=float, default=4.25)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="the engines' token budget per step (prompt chunks and decodes together)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -221,7 +223,7 @@ def main() -> None:
         hf.generation_config.eos_token_id = None
 
         # a fixed pool (blocks for every request's whole context, plus slack) so that two engines fit
-        knobs = dict(model=str(model_dir), dtype=dtype, max_num_seqs=256, max_num_batched_tokens=8192,
+        knobs = dict(model=str(model_dir), dtype=dtype, max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
                      num_kv_blocks=24000 if device.type == "cuda" else None, kv_cache_memory_bytes=2**30)
         t = time.perf_counter()
         try:
