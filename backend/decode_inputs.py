@@ -34,13 +34,10 @@ class DecodeInputs:
             seq_lens=buffer(max_batch, dtype=torch.int32, fill=1),
             block_tables=buffer(max_batch, max_blocks, dtype=torch.int32, fill=PAD_BLOCK),
         )
+        self._pinned = pin  # uploads are asynchronous: the next fill waits for the last one
         self._arrays = {name: t.numpy() for name, t in self.tensors.items()}
         self._rows: list[list[int]] = [_PAD_ROW] * max_batch  # the table each row holds now
         self._uploaded: torch.cuda.Event | None = None
-
-    @property
-    def max_blocks(self) -> int:
-        return self.tensors["block_tables"].shape[1]
 
     def fill(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
              block_tables: list[list[int]], bucket: int) -> dict[str, torch.Tensor]:
@@ -70,6 +67,6 @@ class DecodeInputs:
         """Copy what `fill` returned into the graph's static inputs (asynchronous on CUDA)."""
         for name, view in views.items():
             device_tensors[name][: view.shape[0]].copy_(view, non_blocking=True)
-        if next(iter(device_tensors.values())).is_cuda:
+        if self._pinned:
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()

@@ -48,11 +48,6 @@ class _FlatInputs:
     logits_indices: list[int]
 
 
-def _padded(tables: list[list[int]], width: int) -> list[list[int]]:
-    """Block tables padded with PAD_BLOCK to `width` entries each."""
-    return [t + [PAD_BLOCK] * (width - len(t)) for t in tables]
-
-
 def kv_cache_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     a = model.args
     return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * torch.finfo(dtype).bits // 8
@@ -167,7 +162,7 @@ class ModelRunner:
             slot_mapping=tensor(flat.slots, torch.int64),
             cu_seqlens_q=tensor(flat.cu_seqlens, torch.int32),
             seq_lens=tensor(flat.seq_lens, torch.int32),
-            block_tables=tensor(_padded(step.block_tables, max_blocks), torch.int32),
+            block_tables=tensor([t + [PAD_BLOCK] * (max_blocks - len(t)) for t in step.block_tables], torch.int32),
             max_seqlen_q=max(len(t) for t in step.token_ids),
             max_seqlen_k=max(flat.seq_lens),
         )
