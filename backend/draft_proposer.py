@@ -2,9 +2,11 @@
 
 The draft sees the same positions as the target, so a request's block table serves both pools.
 `request.num_draft_computed_tokens` says how far the draft's KV is valid: a new or preempted
-request starts at 0, the first draft forward of a step catches up on everything not yet seen
-(prompt, last sampled tokens), then k - 1 single-token forwards follow. After verification the
-draft's KV is valid up to the target's num_computed_tokens at most.
+request starts at 0. The first draft forward of a step reads, for each request that speculates,
+everything it has not seen (the last step's accepted and bonus tokens; more after sitting out),
+and, without logits, the chunks other requests are behind by (a prompt alongside the target's
+prefill chunk); then k - 1 single-token forwards follow. After verification the draft's KV is
+valid up to the target's num_computed_tokens at most.
 """
 from __future__ import annotations
 
@@ -24,15 +26,18 @@ class DraftProposer:
         self.sampler = sampler  # the engine's: unseeded requests draw from its generator
 
     def propose(
-        self, requests: list[Request], ks: list[int], clock: Callable[[int, int, int, float], None] | None = None
+        self, requests: list[Request], ks: list[int], clock: Callable[[int, int, int, float], None] | None = None,
+        catch_up: list[tuple[Request, int]] = (),
     ) -> list[tuple[list[int], torch.Tensor | None]]:
         """k_r draft tokens per request and the draft distributions they were drawn from (None for
         a greedy request: its verification compares argmaxes and needs no distribution).
-        clock(j, num_tokens, num_requests, start time) is called after the j-th forward and its
-        sampling."""
+        `catch_up` (request, end) rows are only read, in the first forward: the draft's KV for
+        their tokens up to `end` (a prompt chunk the target prefills this step, or what a request
+        missed), no logits. clock(j, num_tokens, num_requests, start time) is called after the
+        j-th forward and its sampling."""
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        for j in range(max(ks)):
+        for j in range(max(ks, default=1)):
             started = time.perf_counter()
             active = [i for i, k in enumerate(ks) if k > j]
             step = StepInput([], [], [], [])
@@ -48,13 +53,21 @@ class DraftProposer:
                 step.block_tables.append(r.block_table)
                 step.num_logits.append(1)
                 r.num_draft_computed_tokens = start + len(step.token_ids[-1])
-            rows = [SamplingRow(requests[i], tokens[i][:]) for i in active]
-            q = self.sampler.distributions(self.runner.run(step), rows)
-            new = self.sampler.sample(q, rows).tolist()
-            for row_idx, i in enumerate(active):
-                tokens[i].append(new[row_idx])
-                if not requests[i].params.greedy:  # a greedy verification compares argmaxes only
-                    probs[i].append(q[row_idx])
+            for r, end in catch_up if j == 0 else ():
+                step.token_ids.append(r.tokens_slice(r.num_draft_computed_tokens, end))
+                step.start_positions.append(r.num_draft_computed_tokens)
+                step.block_tables.append(r.block_table)
+                step.num_logits.append(0)
+                r.num_draft_computed_tokens = end
+            logits = self.runner.run(step)
+            if active:
+                rows = [SamplingRow(requests[i], tokens[i][:]) for i in active]
+                q = self.sampler.distributions(logits, rows)
+                new = self.sampler.sample(q, rows).tolist()
+                for row_idx, i in enumerate(active):
+                    tokens[i].append(new[row_idx])
+                    if not requests[i].params.greedy:  # a greedy verification compares argmaxes only
+                        probs[i].append(q[row_idx])
             if clock is not None:
                 clock(j, sum(len(t) for t in step.token_ids), len(active), started)
         return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]

@@ -135,7 +135,8 @@ class LLMEngine:
             proposer = DraftProposer(draft_runner, self.sampler)
         elif config.speculative_method == "ngram":
             proposer = NgramProposer()
-        self.speculator = Speculator(proposer, config.num_speculative_tokens, config.adaptive_speculation, self.device)
+        self.speculator = Speculator(proposer, config.num_speculative_tokens, config.adaptive_speculation, self.device,
+                                     draft_budget=config.max_num_batched_tokens)
         overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self.overlap = overlap and proposer is None
         self.in_flight: InFlightStep | None = None  # overlapped steps: the one launched last

@@ -41,12 +41,15 @@ BATCH_DECAY = 0.99  # per verification, weight kept by the batch's older counts
 
 
 class LinearCost:
-    """Seconds per forward as t0 + t1 * num_tokens: a least-squares line over the latest samples,
-    kept as running sums so that adding a sample costs O(1)."""
+    """Seconds per forward as t0 + t1 * num_tokens: a least-squares line over the latest
+    `per_size` samples of each size, kept as running sums so that adding a sample costs O(1).
+    Samples are kept per size so that a long run at one size (plain decoding: one token per
+    request, step after step) does not push out what was measured at the others: with them
+    the slope would go, and verification tokens would look free."""
 
-    def __init__(self, window: int = 200):
-        self.samples: deque[tuple[int, float]] = deque()
-        self.window = window
+    def __init__(self, per_size: int = 16):
+        self.samples: dict[int, deque[float]] = {}  # num_tokens -> latest seconds
+        self.per_size = per_size
         self.sums = [0.0] * 5  # count, sum n, sum t, sum n^2, sum n t
         self.t0, self.t1 = 0.0, 0.0
 
@@ -55,10 +58,11 @@ class LinearCost:
             self.sums[i] += sign * value
 
     def add(self, num_tokens: int, seconds: float) -> None:
-        self.samples.append((num_tokens, seconds))
+        latest = self.samples.setdefault(num_tokens, deque())
+        latest.append(seconds)
         self._accumulate(num_tokens, seconds, 1.0)
-        if len(self.samples) > self.window:
-            self._accumulate(*self.samples.popleft(), -1.0)
+        if len(latest) > self.per_size:
+            self._accumulate(num_tokens, latest.popleft(), -1.0)
         count, sn, st, snn, snt = self.sums
         spread = count * snn - sn * sn  # count^2 * variance of n: 0 when every n is the same
         if spread > 1e-9 * max(count * snn, 1.0):
@@ -69,7 +73,7 @@ class LinearCost:
 
     @property
     def ready(self) -> bool:
-        return len(self.samples) >= 2
+        return self.sums[0] >= 2
 
     def __call__(self, num_tokens: int) -> float:
         return self.t0 + self.t1 * num_tokens

@@ -5,6 +5,11 @@ asks the scheduler for room for k draft tokens (`num_lookahead_tokens`; the n-gr
 fills its tokens right away). After scheduling, `propose` trims each reservation to what the
 token budget granted and runs the draft model. The target verifies in the same forward as every
 other request's tokens; the engine runs the rejection sampler and calls `record`.
+
+The draft reads at most `draft_budget` tokens (the target's budget) in a step's first forward.
+While speculation is on, it reads prompts alongside the target's prefill chunks; a request whose
+draft is further behind than the budget left (speculation switched on after sitting out) does
+not speculate until it has caught up, in chunks.
 """
 from __future__ import annotations
 
@@ -37,7 +42,16 @@ class _Bucket:
     speculating: bool = False  # the last choice outside bursts
     steady: bool = False  # this step speculates, as the one before did (no switch, no burst)
     last_burst: int = 0  # step at which the last exploration burst ended
-    switch_seconds: float = 0.0  # measured cost of switching speculation on (the drafts' catch-up)
+    burst_extension: int = 0  # steps the current burst spent catching up, added to its length
+    switch_seconds: float = 0.0  # measured cost of switching speculation on (the drafts' catch-up) ...
+    switch_accrued: float = 0.0  # ... and of the switch under way, which may take several steps
+
+    @property
+    def switch_cost(self) -> float:
+        return max(self.switch_seconds, self.switch_accrued)
+
+    def in_burst(self) -> bool:
+        return self.explore_at <= self.steps < self.explore_at + EXPLORE_STEPS + self.burst_extension
 
 
 class ModeChooser:
@@ -84,7 +98,7 @@ class ModeChooser:
                 if state.speculating:
                     return on > off
                 step_seconds = num_requests / max(off, 1e-9)  # a plain step yields a token per request
-                return on > off * (1 + state.switch_seconds / (state.interval * step_seconds))
+                return on > off * (1 + state.switch_cost / (state.interval * step_seconds))
         return None
 
     def steady(self, num_requests: int) -> bool:
@@ -93,10 +107,20 @@ class ModeChooser:
         return state is not None and state.steady
 
     def charge_switch(self, num_requests: int, seconds: float) -> None:
-        """What switching speculation on just cost in this bucket (a step's catch-up beyond its
-        usual draft work), kept as a running mean."""
+        """A step of switching speculation on in this bucket: the drafts' catch-up beyond their
+        usual work (it takes several steps when the drafts are further behind than a step's
+        budget). A burst does not count such steps: it measures speculation once caught up."""
         state = self.buckets.setdefault(self.bucket(num_requests), _Bucket())
-        state.switch_seconds = 0.5 * state.switch_seconds + 0.5 * seconds if state.switch_seconds else seconds
+        state.switch_accrued += seconds
+        if state.in_burst():
+            state.burst_extension += 1
+
+    def _settle_switch(self, state: _Bucket) -> None:
+        """The switch under way is over: fold its cost into the running mean."""
+        if state.switch_accrued:
+            seconds = state.switch_accrued
+            state.switch_seconds = 0.5 * state.switch_seconds + 0.5 * seconds if state.switch_seconds else seconds
+            state.switch_accrued = 0.0
 
     def speculate(self, num_requests: int) -> bool:
         b = self.bucket(num_requests)
@@ -108,12 +132,12 @@ class ModeChooser:
             n_on, n_off = self.samples.get((True, b), 0), self.samples.get((False, b), 0)
             return n_on < n_off or (n_on == n_off and state.steps % 2 == 1)
         off_rate = self.rate(False, num_requests)
-        if state.steps == state.explore_at and not better and state.switch_seconds and off_rate:
+        if state.steps == state.explore_at and not better and state.switch_cost and off_rate:
             # trying speculation again costs a catch-up: keep such bursts to SWITCH_BUDGET of the
             # time (a plain step takes num_requests / off_rate seconds)
-            gap = int(state.switch_seconds * off_rate / (SWITCH_BUDGET * num_requests))
+            gap = int(state.switch_cost * off_rate / (SWITCH_BUDGET * num_requests))
             state.explore_at = max(state.explore_at, state.last_burst + gap)
-        burst_end = state.explore_at + EXPLORE_STEPS
+        burst_end = state.explore_at + EXPLORE_STEPS + state.burst_extension
         if state.steps == state.explore_at:
             state.preferred = better
         if state.explore_at <= state.steps < burst_end:
@@ -123,12 +147,15 @@ class ModeChooser:
             state.interval = min(2 * state.interval, MAX_EXPLORE_EVERY) if confirmed else EXPLORE_EVERY
             state.explore_at = state.steps + state.interval
             state.last_burst = state.steps
+            state.burst_extension = 0
         state.steady = better and state.speculating
         state.speculating = better
         return better
 
     def observe(self, speculating: bool, num_requests: int, num_tokens: int, seconds: float) -> None:
         key = (speculating, self.bucket(num_requests))
+        if speculating and key[1] in self.buckets:
+            self._settle_switch(self.buckets[key[1]])
         totals = self.totals.setdefault(key, [0.0, 0.0])
         totals[0] = DECAY * totals[0] + num_tokens
         totals[1] = DECAY * totals[1] + seconds
@@ -136,8 +163,11 @@ class ModeChooser:
 
 
 class Speculator:
-    def __init__(self, proposer: DraftProposer | NgramProposer | None, max_k: int, adaptive: bool, device: torch.device):
+    def __init__(self, proposer: DraftProposer | NgramProposer | None, max_k: int, adaptive: bool, device: torch.device,
+                 draft_budget: int):
         self.proposer = proposer
+        self.draft_budget = draft_budget  # tokens a step's first draft forward may read
+        self.drafting = True  # the latest step with decoding candidates wanted drafts: prompts are read alongside
         self.controller = SpecController(max_k, adaptive, free_drafts=isinstance(proposer, NgramProposer))
         self.modes = ModeChooser()
         self.device = device
@@ -180,17 +210,26 @@ class Speculator:
         if self.proposer is None:
             return
         candidates = [r for r in running if r.params.speculative and r.num_computed_tokens == r.num_tokens - 1]
-        if self.controller.adaptive and candidates and not self.modes.speculate(len(running)):
+        if not candidates:
+            return  # prefill only: `drafting` stays as the last decoding step left it
+        if self.controller.adaptive and not self.modes.speculate(len(running)):
+            self.drafting = False
             return
+        self.drafting = False
+        budget = self.draft_budget
         for r, k in zip(candidates, self.controller.plan(candidates)):
             # never verify past max_tokens or the context
             k = min(k, r.params.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
             if k <= 0:
                 continue
+            self.drafting = True
             if isinstance(self.proposer, NgramProposer):
                 r.spec_token_ids = self.proposer.lookup(r.all_token_ids, k)
                 r.num_lookahead_tokens = len(r.spec_token_ids)
-            else:
+                continue
+            behind = r.num_tokens - r.num_draft_computed_tokens
+            if behind <= budget:  # else it catches up first (`propose` reads what budget is left)
+                budget -= behind
                 r.num_lookahead_tokens = k
 
     def propose(self, batch: ScheduledBatch, running: list[Request]) -> dict[str, torch.Tensor]:
@@ -213,22 +252,44 @@ class Speculator:
         for r in running:  # reserved but not scheduled this step
             if r.num_lookahead_tokens and r.request_id not in scheduled:
                 r.num_lookahead_tokens, r.spec_token_ids = 0, []
-        if not to_draft:
+        if not isinstance(self.proposer, DraftProposer):
+            return {}
+        behind = sum(r.num_tokens - r.num_draft_computed_tokens for r in to_draft)
+        catch_up = self._catch_up_rows(batch, self.draft_budget - behind) if self.drafting else []
+        if not to_draft and not catch_up:
             return {}
         # a draft that sat out steps (or is new) first reads what it missed; when that dominates
         # the step, its cost beyond a usual first forward is estimated for the mode chooser
-        behind = sum(r.num_tokens - r.num_draft_computed_tokens for r in to_draft)
+        behind += sum(end - r.num_draft_computed_tokens for r, end in catch_up)
         usual = sum(k + 1 for k in ks)
         self.catching_up = behind > 2 * usual
         first = self.controller.draft_first_cost
         if self.catching_up and first.ready:
             self.catch_up_seconds = max(first(behind) - first(usual), 0.0)
-        proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward)
+        proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward, catch_up)
         probs = {}
         for r, (tokens, q) in zip(to_draft, proposals):
             r.spec_token_ids = tokens
             probs[r.request_id] = q
         return probs
+
+    @staticmethod
+    def _catch_up_rows(batch: ScheduledBatch, budget: int) -> list[tuple[Request, int]]:
+        """(request, end) for requests of this step that do not speculate and whose draft is behind
+        what the target will have computed after it (a prompt chunk, or tokens missed while
+        speculation was off): the draft reads up to `end`, at most `budget` tokens in all. The
+        last known token is left for the forward that proposes from it."""
+        rows = []
+        for r, n in zip(batch.requests, batch.num_scheduled_tokens):
+            if budget <= 0:
+                break
+            start = r.num_draft_computed_tokens
+            end = min(r.num_computed_tokens + n, r.num_tokens - 1, start + budget)
+            if r.num_lookahead_tokens or not r.params.speculative or end <= start:
+                continue
+            rows.append((r, end))
+            budget -= end - start
+        return rows
 
     def observe_step(self, batch: ScheduledBatch, lookahead: list[int], num_new_tokens: int, seconds: float) -> None:
         """Feed a decode-only step (each request computes its last token plus its `lookahead`

@@ -31,6 +31,7 @@ from perf.prompts import DEFAULT_DRAFT, DEFAULT_TARGET, code_prompts  # noqa: E4
 
 METHODS = {  # name -> engine knobs
     "none": dict(speculative_method="none"),
+    "none, 2nd engine": dict(speculative_method="none"),  # the same work again: the measurement's noise
     "draft k=3": dict(speculative_method="draft", num_speculative_tokens=3, adaptive_speculation=False),
     "draft adaptive": dict(speculative_method="draft", num_speculative_tokens=4, adaptive_speculation=True),
     "ngram adaptive": dict(speculative_method="ngram", num_speculative_tokens=4, adaptive_speculation=True),
@@ -83,12 +84,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--requests-per-slot", type=int, default=2, help="requests = batch size x this (min 4)")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="rounds; each runs every method once, in turn, so load on a shared host hits all alike")
+                    help="rounds; each runs every method once, starting one method later than the round before, so load "
+                    "drifting on a shared host hits all alike")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared CPU)")
     ap.add_argument("--dtype", default="bfloat16", help="target weights and KV")
     ap.add_argument("--draft-dtype", default="float32", help="draft weights and KV (a tiny draft is faster in "
                     "float32 on a CPU)")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "none, 2nd engine"], choices=list(METHODS),
+                    help="the first is the baseline of every ratio")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -108,10 +111,13 @@ def main() -> None:
             run(engine, prompts[:2], 8, temperature, 2)  # warm-up
         rates = {name: [] for name in args.methods}
         ratios = {name: [] for name in args.methods}
-        # draft tokens, accepted, verification steps, steps that accepted all k
-        spec = {name: [0, 0, 0, 0] for name in args.methods}
-        for _ in range(args.repeats):
-            for name in args.methods:
+        # draft tokens, accepted, verification steps, steps that accepted all k, tokens generated
+        spec = {name: [0, 0, 0, 0, 0] for name in args.methods}
+        for round_index in range(args.repeats):
+            # each round starts one method later: every method runs early and late in a round as
+            # often, so load drifting within a round favours none of them
+            shift = round_index % len(args.methods)
+            for name in args.methods[shift:] + args.methods[:shift]:
                 engine = engines[name]
                 s0, (steps0, full0) = engine.stats(), verification_counts(engine)
                 seconds, tokens = run(engine, prompts, args.max_tokens, temperature, batch_size)
@@ -120,31 +126,36 @@ def main() -> None:
                 spec[name][1] += s1.spec_accepted_tokens_total - s0.spec_accepted_tokens_total
                 spec[name][2] += steps1 - steps0
                 spec[name][3] += full1 - full0
+                spec[name][4] += tokens
                 rates[name].append(tokens / seconds)
                 bar.update()
             for name in args.methods:
                 ratios[name].append(rates[name][-1] / rates[args.methods[0]][-1])
         for name in args.methods:
             engine = engines[name]
-            draft, accepted, steps, all_accepted = spec[name]
+            draft, accepted, steps, all_accepted, generated = spec[name]
+            # request-steps that verified drafts, of all request-steps (each plain one yields a token)
+            share = steps / (generated - accepted) if generated > accepted else float("nan")
             a = accepted / draft if draft else float("nan")
             k = engine.config.num_speculative_tokens if name == "draft k=3" else None
             c = measure_c(engine)
             a_geo = geometric_acceptance(accepted, steps, all_accepted)
             predicted = speedup(a_geo, k, c) if k and draft and c == c else float("nan")
             rows.append((batch_size, temperature, name, statistics.median(rates[name]), statistics.median(ratios[name]),
-                         min(ratios[name]), max(ratios[name]), a, accepted / steps + 1 if steps else 1.0, predicted, c))
+                         min(ratios[name]), max(ratios[name]), share, a, accepted / steps + 1 if steps else 1.0, predicted, c))
     bar.close()
     print(f"\ndefault pair, {args.max_tokens} new tokens per request, prompts 64-192 tokens of held-out code, "
           f"target {args.dtype}, draft {args.draft_dtype}, {args.threads} torch thread(s), median of {args.repeats} "
           f"interleaved rounds (vs first method in the same round)\n")
     print("acceptance: accepted / drafted tokens. S(k) predicted (fixed k): the formula with the per-token rate it\n"
           "assumes (accepted / (accepted + rejections)) and c = a further draft forward / a target forward.\n")
-    print("| batch | T | method | tok/s | vs none | range | acceptance | tokens/verify step | S(k) predicted | c |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for b, t, name, rate, ratio, lo, hi, a, mean_len, pred, c in rows:
+    print("speculating: share of request-steps that verified draft tokens.\n")
+    print("| batch | T | method | tok/s | vs none | range | speculating | acceptance | tokens/verify step | "
+          "S(k) predicted | c |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for b, t, name, rate, ratio, lo, hi, share, a, mean_len, pred, c in rows:
         fmt = lambda x, f: "-" if x != x else format(x, f)  # noqa: E731
-        print(f"| {b} | {t} | {name} | {rate:.1f} | {ratio:.2f}x | {lo:.2f}-{hi:.2f} | {fmt(a, '.2f')} | "
+        print(f"| {b} | {t} | {name} | {rate:.1f} | {ratio:.2f}x | {lo:.2f}-{hi:.2f} | {share:.0%} | {fmt(a, '.2f')} | "
               f"{mean_len:.2f} | {fmt(pred, '.2f')} | {fmt(c, '.2f')} |")
 
 

@@ -57,6 +57,68 @@ def test_greedy_identical_to_plain_decoding(which, knobs, tiny_llama, bad_draft)
         assert engine.scheduler.num_preemptions > 0
 
 
+def _count_draft_reads(engine: LLMEngine) -> list[int]:
+    """Tokens read by each draft forward from now on (the real forward runs)."""
+    runner, reads = engine.speculator.proposer.runner, []
+    real_run = runner.run
+
+    def run(step):
+        reads.append(sum(len(t) for t in step.token_ids))
+        return real_run(step)
+
+    runner.run = run
+    return reads
+
+
+def test_draft_reads_prompts_alongside_prefill_chunks_within_the_budget(tiny_llama):
+    """The draft prefills each prompt with the target's chunks, never reading more than the
+    step's token budget in one forward; the first speculating step reads only the last prompt
+    token and the first sampled one per request."""
+    prompts, max_tokens = mixed_prompts(6, seed=11)
+    plain = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama))), prompts, max_tokens)
+    engine = spec_engine(tiny_llama, tiny_llama, adaptive_speculation=False, max_num_batched_tokens=24)
+    reads = _count_draft_reads(engine)
+    assert run_engine(engine, prompts, max_tokens) == plain
+    assert max(reads) <= 24
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens_total == stats.spec_draft_tokens_total > 0  # the target drafts itself
+
+    engine = spec_engine(tiny_llama, tiny_llama, adaptive_speculation=False, max_num_batched_tokens=24)
+    reads = _count_draft_reads(engine)
+    rid = engine.add_request(prompts[0] * 2, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    request = engine.requests[rid]
+    while request.num_output_tokens == 0:  # prefill, in chunks of 24
+        engine.step()
+        assert request.num_draft_computed_tokens == min(request.num_computed_tokens, request.num_prompt_tokens - 1)
+    engine.step()
+    assert reads[-engine.config.num_speculative_tokens] == 2  # last prompt token + the first output
+
+
+def test_a_draft_left_behind_catches_up_in_chunks_before_speculating(tiny_llama):
+    """Speculation was off while the prompt was prefilled (the mode chooser's choice at this batch
+    size): when it goes on, the draft reads what it missed a budget at a time and the request
+    speculates only once the rest fits; the output is plain decoding's."""
+    prompt = mixed_prompts(1, seed=5)[0][0] * 3
+    plain = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama))), [prompt], [20])
+    engine = spec_engine(tiny_llama, tiny_llama, adaptive_speculation=False, max_num_batched_tokens=16)
+    reads = _count_draft_reads(engine)
+    engine.speculator.drafting = False
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    request, tokens, catch_up_steps = engine.requests[rid], [], 0
+    while engine.has_unfinished_requests():
+        behind = request.num_tokens - request.num_draft_computed_tokens
+        drafted = engine.stats().spec_draft_tokens_total
+        outputs = engine.step()
+        tokens += [t for out in outputs for t in out.token_ids]
+        if request.num_output_tokens > 1 and behind > 16:  # decoding, further behind than the budget
+            catch_up_steps += 1
+            assert engine.stats().spec_draft_tokens_total == drafted  # no drafts until caught up ...
+            assert request.num_tokens - request.num_draft_computed_tokens == behind + 1 - 16  # ... 16 at a time
+    assert catch_up_steps >= 2 and max(reads) <= 16
+    assert tokens == plain[0]
+    assert engine.stats().spec_draft_tokens_total > 0
+
+
 def test_abort_mid_speculation_frees_blocks(tiny_llama, bad_draft):
     engine = spec_engine(tiny_llama, bad_draft, block_size=4, adaptive_speculation=False)
     ids = [engine.add_request([5 + i] * (10 + i), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))

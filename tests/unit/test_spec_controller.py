@@ -167,18 +167,29 @@ def test_mode_chooser_keeps_batch_size_buckets_apart():
 
 
 
-def test_linear_cost_fits_the_latest_window_exactly():
+def test_linear_cost_fits_the_latest_samples_of_each_size_exactly():
     from backend.spec_controller import LinearCost
 
-    cost = LinearCost(window=3)
-    cost.add(10, 1.0)
-    assert (cost.t0, cost.t1) == (1.0, 0.0)  # one size seen: a constant
-    for n in (1, 2, 3):  # pushes the first sample out: exactly t = 0.5 + 0.25 n
+    cost = LinearCost(per_size=2)
+    cost.add(10, 9.0)
+    assert (cost.t0, cost.t1) == (9.0, 0.0)  # one size seen: a constant
+    for n in (1, 2, 3, 10, 10):  # the last two push the first sample at size 10 out ...
         cost.add(n, 0.5 + 0.25 * n)
-    assert cost.t0 == pytest.approx(0.5) and cost.t1 == pytest.approx(0.25)
+    assert cost.t0 == pytest.approx(0.5) and cost.t1 == pytest.approx(0.25)  # ... exactly this line
     assert cost(4) == pytest.approx(1.5)  # the line, evaluated
 
 
+def test_linear_cost_keeps_its_slope_through_a_long_run_at_one_size():
+    """Plain decoding times the target at one size (a token per request) step after step; what
+    was measured with draft tokens must still count, or verification would look free."""
+    from backend.spec_controller import LinearCost
+
+    cost = LinearCost()
+    for n in (32, 64, 96, 128):  # a few speculating steps
+        cost.add(n, 0.01 + 0.001 * n)
+    for _ in range(1000):  # then plain decoding
+        cost.add(32, 0.01 + 0.001 * 32)
+    assert cost.t1 == pytest.approx(0.001) and cost(128) == pytest.approx(0.138)
 
 
 def test_mode_chooser_borrows_a_measured_neighbour_bucket_and_alternates_while_blind():
@@ -222,6 +233,26 @@ def test_mode_chooser_keeps_costly_switch_on_bursts_to_a_budget():
     assert _choices(cheap, 400, off_is_faster).count("1") == 4 * EXPLORE_STEPS  # bursts at 32, 100, 232, 364
     choices = _choices(dear, 700, off_is_faster)
     assert choices.index("1") >= gap - 2 * WARMUP_SAMPLES - 1 and choices.count("1") == EXPLORE_STEPS
+
+
+def test_mode_chooser_burst_waits_for_a_catch_up_of_several_steps():
+    """Drafts further behind than one step's budget catch up over several steps: the burst
+    measures speculation after them, and they count as one switch's cost."""
+    m = ModeChooser()
+    off_is_faster = lambda on: (100 if on else 150, 1.0)  # noqa: E731
+    _choices(m, 2 * WARMUP_SAMPLES, off_is_faster)
+    choices, catch_ups = "", 3
+    for _ in range(EXPLORE_EVERY + EXPLORE_STEPS + catch_ups):
+        on = m.speculate(8)
+        choices += "1" if on else "0"
+        if on and catch_ups:
+            m.charge_switch(8, 0.1)
+            catch_ups -= 1
+        else:
+            m.observe(on, 8, *off_is_faster(on))
+    assert choices.count("1") == EXPLORE_STEPS + 3 and "1" * (EXPLORE_STEPS + 3) in choices
+    assert choices.endswith("0")
+    assert m.buckets[m.bucket(8)].switch_seconds == pytest.approx(0.3)
 
 
 def test_mode_chooser_tells_a_steady_speculating_step_from_a_switch():
