@@ -8,7 +8,7 @@ where their K/V go in the paged cache.
 
 RMSNorm (with the residual add folded in), RoPE and the MLP's SiLU-multiply run as torch op
 chains, or as one Triton kernel each when `use_triton_kernels` is set (CUDA, or CPU under
-TRITON_INTERPRET=1).
+TRITON_INTERPRET=1); then RoPE also stores k and v in the KV cache, in the same launch.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from backend.attention import AttentionBackend, AttentionMetadata
 from kernels.rms_norm import rms_norm, rms_norm_ref  # Triton itself is imported on a kernel's first call
-from kernels.rotary import apply_rotary, apply_rotary_ref
+from kernels.rotary import apply_rotary, apply_rotary_ref, rotary_store_kv
 from kernels.silu_mul import silu_mul, silu_mul_ref
 
 
@@ -116,9 +116,13 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
-        attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.rotary.use_triton_kernels:  # RoPE and the KV-cache store in one launch
+            r = self.rotary
+            q = rotary_store_kv(q, k, v, positions, r.cos, r.sin, k_cache, v_cache, meta.slot_mapping)
+        else:
+            q, k = self.rotary(positions, q, k)
+            attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = attn.forward(q, k_cache, v_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 

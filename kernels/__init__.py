@@ -5,7 +5,9 @@
     paged_attention_decode.py   one query per request: GQA groups, split-KV + combine
     paged_attention_extend.py   ragged causal queries: prefill, chunks, prefix hits, verification
     rms_norm.py                 rms_norm_ref; rms_norm -> rms_norm_triton.py (residual add fused)
-    rotary.py                   apply_rotary_ref; apply_rotary -> rotary_triton.py (q and k, one launch)
+    rotary.py                   apply_rotary_ref; apply_rotary -> rotary_triton.py (q and k, one launch);
+                                rotary_store_kv(_ref): RoPE, then k and v stored in the cache (one launch)
+    silu_mul.py                 silu_mul_ref; silu_mul -> silu_mul_triton.py (gate/up halves, one launch)
     launch.py                   argument checks and tile choices shared by the wrappers
 
 The reference modules import Triton only when a kernel is first called.

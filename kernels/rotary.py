@@ -3,10 +3,15 @@
 For a token at position p and a head vector x = (x1, x2) split in halves,
     out = (x1 cos - x2 sin, x2 cos + x1 sin),   cos/sin = table[p] (float32, [head_dim // 2])
 computed in float32 and cast back to x's dtype.
+
+`rotary_store_kv` does what every attention layer does next as well: it stores the rotated k and
+v at their KV-cache slots (kv_cache.py) and returns only the rotated q.
 """
 from __future__ import annotations
 
 import torch
+
+from kernels.kv_cache import store_kvcache_ref
 
 
 def apply_rotary_ref(
@@ -38,3 +43,37 @@ def apply_rotary(
     from kernels.rotary_triton import apply_rotary as apply_rotary_triton
 
     return apply_rotary_triton(q, k, positions, cos, sin)
+
+
+def rotary_store_kv_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens]
+    cos: torch.Tensor,  # [max_positions, head_dim // 2] float32
+    sin: torch.Tensor,  # [max_positions, head_dim // 2] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens], PAD_SLOT to skip
+) -> torch.Tensor:  # rotated q
+    q, k = apply_rotary_ref(q, k, positions, cos, sin)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def rotary_store_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens]
+    cos: torch.Tensor,  # [max_positions, head_dim // 2] float32
+    sin: torch.Tensor,  # [max_positions, head_dim // 2] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens], PAD_SLOT to skip
+) -> torch.Tensor:  # rotated q
+    """Triton kernel, same contract as `rotary_store_kv_ref` (kernels/rotary_triton.py): one
+    launch instead of two, and the rotated k goes to the cache without a round trip through memory."""
+    from kernels.rotary_triton import rotary_store_kv as rotary_store_kv_triton
+
+    return rotary_store_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
