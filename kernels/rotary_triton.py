@@ -25,6 +25,16 @@ def _rotate_heads(src_ptr, dst_ptr, token, stride_st, stride_sh, stride_dt, stri
 
 
 @triton.jit
+def _angles(positions_ptr, cos_ptr, sin_ptr, token, stride_cos, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """cos and sin of the token's position, as [1, BLOCK_HALF] rows."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0)[None, :]
+    return c, s
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
@@ -33,10 +43,7 @@ def _rotary_kernel(
 ):
     # program `token` rotates every q and k head of one token by its position's angles
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0)[None, :]
+    c, s = _angles(positions_ptr, cos_ptr, sin_ptr, token, stride_cos, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads, c, s,
                   BLOCK_HQ, HALF, BLOCK_HALF)
     _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh, num_kv_heads, c, s,
@@ -55,10 +62,7 @@ def _rotary_store_kv_kernel(
     # program `token` rotates the token's q heads into q_out, and its k heads straight into the
     # K cache at the token's slot, where it also copies the v heads
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0)[None, :]
+    c, s = _angles(positions_ptr, cos_ptr, sin_ptr, token, stride_cos, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads, c, s,
                   BLOCK_HQ, HALF, BLOCK_HALF)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
