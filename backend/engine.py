@@ -16,6 +16,7 @@ Not thread-safe: backend.engine_loop.EngineLoop drives it from one thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.errors import ValidationError
 from backend.host_memory import retain_freed_memory
+from backend.linear_tuner import tune_small_batch_linears
+from backend.model import Linear
 from backend.model_loader import TORCH_DTYPES, load_draft_model, load_hf_config, load_model
 from backend.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 from backend.outputs import RequestOutput
@@ -39,6 +42,8 @@ from backend.sampler import Logprobs, Sampler, SamplingRow, compute_logprobs, ga
 from backend.speculator import Speculator
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -114,9 +119,19 @@ class LLMEngine:
             self.draft_model = load_draft_model(
                 config.draft_model, model, self.tokenizer, config.draft_dtype, self.device, self.max_model_len
             )
-        for m in (model, self.draft_model):  # the Triton backend runs RMSNorm and RoPE as kernels too
-            if m is not None:
-                m.use_triton_kernels(self.attention.name == "triton")
+        self.linear_choices: dict[str, dict] = {}  # model -> weight shape -> small-batch kernel choice
+        for name, m in (("target", model), ("draft", self.draft_model)):
+            if m is None:
+                continue
+            m.use_triton_kernels(self.attention.name == "triton")  # RMSNorm, RoPE, SiLU-multiply too
+            if self.attention.name == "triton" and self.device.type == "cuda":
+                try:
+                    self.linear_choices[name] = tune_small_batch_linears(m)
+                except Exception as e:  # a tuning failure must not stop the engine: torch's matmul everywhere
+                    log.warning("small-batch linear tuning failed (%r); using torch's matmul", e)
+                    for module in m.modules():
+                        if isinstance(module, Linear):
+                            module.gemv_max_rows = 0
         bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
         if self.draft_model is not None:
             bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.draft_dtype)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from backend.attention import AttentionBackend, AttentionMetadata
+from kernels.gemv import gemv
 from kernels.rms_norm import rms_norm, rms_norm_ref  # Triton itself is imported on a kernel's first call
 from kernels.rotary import apply_rotary, apply_rotary_ref, rotary_store_kv
 from kernels.silu_mul import silu_mul, silu_mul_ref
@@ -50,11 +51,26 @@ PACKED_PROJECTIONS = {
 }
 
 
-class PackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear that runs the Triton small-batch kernel (kernels/gemv.py) for up to
+    `gemv_max_rows` rows of input, where the engine measured it faster than torch's matmul for
+    this weight's shape (backend/linear_tuner.py; 0: never)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__(in_features, out_features, bias=bias)
+        self.gemv_max_rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_max_rows and x.shape[0] <= self.gemv_max_rows:
+            return gemv(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+class PackedLinear(Linear):
     """Several projections of the same input stacked along the output rows."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        super().__init__(in_features, sum(shard_sizes), bias)
         self.shard_sizes = shard_sizes
 
     def shard_rows(self, shard: int) -> slice:
@@ -101,7 +117,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = PackedLinear(args.hidden_size, [q_size, kv_size, kv_size], bias=args.qkv_bias)
-        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias)
+        self.o_proj = Linear(q_size, args.hidden_size, args.o_bias)
         self.rotary = rotary
         self.scale = args.head_dim**-0.5
 
@@ -131,7 +147,7 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_up_proj = PackedLinear(args.hidden_size, [args.intermediate_size] * 2, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
         self.use_triton_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = LlamaModel(args, rotary)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,5 +1,6 @@
 """Triton-language kernels, each beside its torch reference with the same signature.
 
+    gemv.py                     gemv_ref; gemv -> gemv_triton.py (linear layers at 1-16 rows)
     kv_cache.py                 store_kvcache_ref; store_kvcache -> kv_cache_triton.py
     paged_attention.py          paged_attention_ref; paged_attention -> decode or extend kernel
     paged_attention_decode.py   one query per request: GQA groups, split-KV + combine

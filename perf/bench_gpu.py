@@ -233,6 +233,12 @@ def main() -> None:
             results["cuda_graphs"] = "capture failed; eager"
             engine = LLMEngine(EngineConfig(**knobs, async_scheduling=True, enforce_eager=True))
         results["engine_startup_s"] = time.perf_counter() - t
+        results["small_batch_linears"] = {  # the startup tuner's choice per weight shape (out x in)
+            f"{out}x{inp}": {"gemv_max_rows": c["gemv_max_rows"],
+                             "us (torch, gemv) by rows": {rows: [round(t * 1e6, 1) for t in pair]
+                                                          for rows, pair in c["seconds (torch, gemv) by rows"].items()}}
+            for (out, inp), c in engine.linear_choices.get("target", {}).items()
+        }
 
         # correctness first: greedy tokens agree with HF on a few prompts
         check = prompts[:4]
@@ -305,6 +311,13 @@ def main() -> None:
                   f"{k['gpu_forward_s']:.2f} | {idle:.0%} |")
     if "kernels" in results:
         print("\ndecode steps, GPU kernels (overlapped steps):\n" + results["kernels"])
+    if results.get("small_batch_linears"):
+        print("\nsmall-batch linears at startup (GPU us per call after an L2 flush, torch / Triton gemv):\n")
+        print("| weight (out x in) | gemv up to rows | " + " | ".join(f"{r} rows" for r in (1, 2, 4, 8, 16)) + " |")
+        print("|---|---|" + "---|" * 5)
+        for shape, c in results["small_batch_linears"].items():
+            cells = [f"{t[0]:.1f} / {t[1]:.1f}" for t in c["us (torch, gemv) by rows"].values()]
+            print(f"| {shape} | {c['gemv_max_rows']} | " + " | ".join(cells + ["-"] * (5 - len(cells))) + " |")
     print(f"\nengine vs HF: {hf_ms / best['ms_per_token']:.1f}x lower latency, "
           f"{best['tok_s'] / results['hf_static_tok_s']:.1f}x throughput; first-token agreement with HF "
           f"{results['first_token_agreement']}")

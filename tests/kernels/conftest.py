@@ -20,7 +20,7 @@ import torch
 
 TRITON_MODULES = (
     "kernels.kv_cache_triton", "kernels.paged_attention_decode", "kernels.paged_attention_extend",
-    "kernels.rms_norm_triton", "kernels.rotary_triton", "kernels.silu_mul_triton",
+    "kernels.gemv_triton", "kernels.rms_norm_triton", "kernels.rotary_triton", "kernels.silu_mul_triton",
 )
 
 
