@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from backend.draft_proposer import DraftProposer
@@ -174,6 +175,8 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.catching_up = False  # this step's draft reads more than the last step's tokens
+        self.expected_yield: dict[str, np.ndarray] = {}  # request id -> E(0..max_k) as planned this step
+        self.yield_correction = 0.0  # this step's expected minus realized verification yields
         self.catch_up_seconds = 0.0  # ... and what that costs beyond a usual first draft forward
         self.proposed_per_position = [0] * max_k  # draft position i -> tokens proposed there
         self.accepted_per_position = [0] * max_k  # draft position i -> tokens accepted there
@@ -207,6 +210,8 @@ class Speculator:
     def reserve(self, running: list[Request], max_model_len: int) -> None:
         """Choose k per decoding request and reserve room for its draft tokens."""
         self.catching_up, self.catch_up_seconds = False, 0.0
+        self.expected_yield.clear()
+        self.yield_correction = 0.0
         if self.proposer is None:
             return
         candidates = [r for r in running if r.params.speculative and r.num_computed_tokens == r.num_tokens - 1]
@@ -217,12 +222,18 @@ class Speculator:
             return
         self.drafting = False
         budget = self.draft_budget
-        for r, k in zip(candidates, self.controller.plan(candidates)):
+        ks = self.controller.plan(candidates)
+        # the mode chooser counts a verification by its expected yield: one step's realized
+        # yield (1 to k + 1 tokens per request) is too noisy to compare rates over a few steps
+        expected = self.controller.expected_tokens_batch(candidates) if self.controller.adaptive else None
+        for i, (r, k) in enumerate(zip(candidates, ks)):
             # never verify past max_tokens or the context
             k = min(k, r.params.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
             if k <= 0:
                 continue
             self.drafting = True
+            if expected is not None:
+                self.expected_yield[r.request_id] = expected[i]
             if isinstance(self.proposer, NgramProposer):
                 r.spec_token_ids = self.proposer.lookup(r.all_token_ids, k)
                 r.num_lookahead_tokens = len(r.spec_token_ids)
@@ -304,13 +315,16 @@ class Speculator:
             self.modes.charge_switch(len(batch.requests), self.catch_up_seconds)
             return
         # with speculation on, new requests' drafts reading their prompts are part of its rate
-        self.modes.observe(any(lookahead), len(batch.requests), num_new_tokens, seconds)
+        self.modes.observe(any(lookahead), len(batch.requests), num_new_tokens + self.yield_correction, seconds)
 
     def forget(self, request: Request) -> None:
         """The request finished: drop what was measured about it."""
         self.controller.forget(request)
 
     def record(self, request: Request, k: int, num_accepted: int) -> None:
+        expected = self.expected_yield.pop(request.request_id, None)
+        if expected is not None:
+            self.yield_correction += expected[k] - (num_accepted + 1)
         self.controller.observe(request, k, num_accepted)
         self.num_draft_tokens += k
         self.num_accepted_tokens += num_accepted

@@ -266,3 +266,25 @@ def test_mode_chooser_tells_a_steady_speculating_step_from_a_switch():
     assert m.speculate(8) and m.steady(8)  # then it stays on
     m.buckets[m.bucket(8)].explore_at = m.buckets[m.bucket(8)].steps + 1
     assert not m.speculate(8) and not m.steady(8)  # an exploration burst without speculation
+
+
+def test_speculator_counts_a_verification_by_its_expected_yield():
+    """The mode chooser sees a speculating request's step as E(k) tokens, not the 1..k+1 it
+    happened to yield: the correction is E(k) - (accepted + 1) per verification."""
+    import torch
+
+    from backend.ngram_proposer import NgramProposer
+    from backend.speculator import Speculator
+
+    spec = Speculator(NgramProposer(), max_k=4, adaptive=True, device=torch.device("cpu"), draft_budget=64)
+    r = Request("r", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams())  # repeats: the lookup proposes
+    r.num_computed_tokens = r.num_tokens - 1
+    spec.reserve([r], max_model_len=100)
+    k = r.num_lookahead_tokens
+    assert k > 0 and r.spec_token_ids
+    expected = spec.controller.expected_tokens(r)[k]
+    spec.record(r, k, 0)  # every draft token rejected: 1 token realized
+    assert spec.yield_correction == pytest.approx(expected - 1)
+    assert expected > 1
+    spec.reserve([r], max_model_len=100)  # a new step starts from no correction
+    assert spec.yield_correction == 0.0
