@@ -128,6 +128,7 @@ class SpecController:
         self.batch_survival = Survival(max_k)
         self.survival: dict[str, Survival] = {}  # request id -> its own counts
         self.num_plans = 0
+        self.expected: np.ndarray | None = None  # the latest adaptive plan's E(0..max_k) per request
 
     def expected_tokens(self, request: Request) -> np.ndarray:
         """E(0..max_k) for this request: 1 + its survival curve's running sum."""
@@ -152,6 +153,7 @@ class SpecController:
             return [0] * len(requests)
         if not self.adaptive:
             return [self.max_k] * len(requests)
+        expected = self.expected = self.expected_tokens_batch(requests)  # [num, max_k + 1]
         costs = (self.target_cost,) if self.free_drafts else (self.target_cost, self.draft_first_cost, self.draft_cost)
         if not all(cost.ready for cost in costs):
             # cheap probes until the costs are measured: a few requests, a short draft (the first
@@ -160,7 +162,6 @@ class SpecController:
             return [min(2, self.max_k)] * probes + [0] * (len(requests) - probes)
         num = len(requests)
         plain_seconds = self.target_cost(num)  # a step without drafts
-        expected = self.expected_tokens_batch(requests)  # [num, max_k + 1]
         # the first draft forward catches up on what the last step accepted: about E(k) tokens each
         catch_up = float(expected[:, -1].sum())
         # the draft's seconds for k = 0..max_k, relative to a target forward
@@ -172,7 +173,7 @@ class SpecController:
                 own.add(0, 0, REQUEST_DECAY)
         best_ks, best_rate = np.zeros(num, dtype=int), num / max(plain_seconds, 1e-9)
         rows = np.arange(num)
-        for k in range(1, self.max_k + 1):
+        for k in range(1, self.max_k + 1 if caps.max() > 0 else 1):
             ks = np.minimum(k, caps)
             seconds = self.target_cost(num + int(ks.sum())) + draft_seconds[ks.max()]
             rate = expected[rows, ks].sum() / max(seconds, 1e-9)

@@ -7,7 +7,7 @@ token budget granted and runs the draft model. The target verifies in the same f
 other request's tokens; the engine runs the rejection sampler and calls `record`.
 
 The draft reads at most `draft_budget` tokens (the target's budget) in a step's first forward.
-While speculation is on, it reads prompts alongside the target's prefill chunks; a request whose
+In a step that speculates, it reads prompts alongside the target's prefill chunks; a request whose
 draft is further behind than the budget left (speculation switched on after sitting out) does
 not speculate until it has caught up, in chunks.
 """
@@ -168,7 +168,8 @@ class Speculator:
                  draft_budget: int):
         self.proposer = proposer
         self.draft_budget = draft_budget  # tokens a step's first draft forward may read
-        self.drafting = True  # the latest step with decoding candidates wanted drafts: prompts are read alongside
+        self.wants_drafts = False  # this step's plan gave some request k > 0: the draft reads
+        # prompt chunks and the backlog of requests left behind alongside (within the budget)
         self.controller = SpecController(max_k, adaptive, free_drafts=isinstance(proposer, NgramProposer))
         self.modes = ModeChooser()
         self.device = device
@@ -215,23 +216,20 @@ class Speculator:
         if self.proposer is None:
             return
         candidates = [r for r in running if r.params.speculative and r.num_computed_tokens == r.num_tokens - 1]
-        if not candidates:
-            return  # prefill only: `drafting` stays as the last decoding step left it
-        if self.controller.adaptive and not self.modes.speculate(len(running)):
-            self.drafting = False
+        self.wants_drafts = False
+        if not candidates or (self.controller.adaptive and not self.modes.speculate(len(running))):
             return
-        self.drafting = False
         budget = self.draft_budget
         ks = self.controller.plan(candidates)
         # the mode chooser counts a verification by its expected yield: one step's realized
         # yield (1 to k + 1 tokens per request) is too noisy to compare rates over a few steps
-        expected = self.controller.expected_tokens_batch(candidates) if self.controller.adaptive else None
+        expected = self.controller.expected if self.controller.adaptive else None
         for i, (r, k) in enumerate(zip(candidates, ks)):
             # never verify past max_tokens or the context
             k = min(k, r.params.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
             if k <= 0:
                 continue
-            self.drafting = True
+            self.wants_drafts = True
             if expected is not None:
                 self.expected_yield[r.request_id] = expected[i]
             if isinstance(self.proposer, NgramProposer):
@@ -266,7 +264,7 @@ class Speculator:
         if not isinstance(self.proposer, DraftProposer):
             return {}
         behind = sum(r.num_tokens - r.num_draft_computed_tokens for r in to_draft)
-        catch_up = self._catch_up_rows(batch, self.draft_budget - behind) if self.drafting else []
+        catch_up = self._catch_up_rows(batch, self.draft_budget - behind) if self.wants_drafts else []
         if not to_draft and not catch_up:
             return {}
         # a draft that sat out steps (or is new) first reads what it missed; when that dominates

@@ -71,9 +71,8 @@ def _count_draft_reads(engine: LLMEngine) -> list[int]:
 
 
 def test_draft_reads_prompts_alongside_prefill_chunks_within_the_budget(tiny_llama):
-    """The draft prefills each prompt with the target's chunks, never reading more than the
-    step's token budget in one forward; the first speculating step reads only the last prompt
-    token and the first sampled one per request."""
+    """In steps that speculate, the draft prefills the other requests' prompts with the target's
+    chunks, never reading more than the step's token budget in one forward."""
     prompts, max_tokens = mixed_prompts(6, seed=11)
     plain = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama))), prompts, max_tokens)
     engine = spec_engine(tiny_llama, tiny_llama, adaptive_speculation=False, max_num_batched_tokens=24)
@@ -84,25 +83,26 @@ def test_draft_reads_prompts_alongside_prefill_chunks_within_the_budget(tiny_lla
     assert stats.spec_accepted_tokens_total == stats.spec_draft_tokens_total > 0  # the target drafts itself
 
     engine = spec_engine(tiny_llama, tiny_llama, adaptive_speculation=False, max_num_batched_tokens=24)
-    reads = _count_draft_reads(engine)
-    rid = engine.add_request(prompts[0] * 2, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    request = engine.requests[rid]
-    while request.num_output_tokens == 0:  # prefill, in chunks of 24
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = engine.requests[engine.add_request([7, 8, 9], greedy)]
+    while first.num_output_tokens < 2:  # decoding, speculating
         engine.step()
-        assert request.num_draft_computed_tokens == min(request.num_computed_tokens, request.num_prompt_tokens - 1)
-    engine.step()
-    assert reads[-engine.config.num_speculative_tokens] == 2  # last prompt token + the first output
+    second = engine.requests[engine.add_request(prompts[0] * 2, greedy)]
+    while second.num_output_tokens == 0:  # its prompt in chunks, beside the first's verifications
+        engine.step()
+        assert first.num_draft_tokens > 0
+        assert second.num_draft_computed_tokens == min(second.num_computed_tokens, second.num_prompt_tokens - 1)
+    assert second.num_prompt_tokens > 24  # it took several chunks
 
 
 def test_a_draft_left_behind_catches_up_in_chunks_before_speculating(tiny_llama):
-    """Speculation was off while the prompt was prefilled (the mode chooser's choice at this batch
-    size): when it goes on, the draft reads what it missed a budget at a time and the request
-    speculates only once the rest fits; the output is plain decoding's."""
+    """A prompt prefilled in steps that did not speculate (here: alone) leaves the draft behind;
+    the draft then reads it a budget at a time and the request speculates only once the rest
+    fits; the output is plain decoding's."""
     prompt = mixed_prompts(1, seed=5)[0][0] * 3
     plain = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama))), [prompt], [20])
     engine = spec_engine(tiny_llama, tiny_llama, adaptive_speculation=False, max_num_batched_tokens=16)
     reads = _count_draft_reads(engine)
-    engine.speculator.drafting = False
     rid = engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     request, tokens, catch_up_steps = engine.requests[rid], [], 0
     while engine.has_unfinished_requests():
