@@ -35,5 +35,8 @@ def _page_faults(retain: bool) -> int:
 
 
 def test_retained_memory_cuts_page_faults_of_attention_steps():
-    without, retained = _page_faults(False), _page_faults(True)
+    # the fewest of three runs each: a run's count varies with the heap's layout (retained
+    # 3,074-6,146, without 8,128-15,233 over six runs each), never below what the steps must fault
+    without = min(_page_faults(False) for _ in range(3))
+    retained = min(_page_faults(True) for _ in range(3))
     assert retained < 0.7 * without, (retained, without)
