@@ -176,9 +176,9 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.catching_up = False  # this step's draft reads more than the last step's tokens
+        self.catch_up_seconds = 0.0  # ... and what that costs beyond a usual first draft forward
         self.expected_yield: dict[str, np.ndarray] = {}  # request id -> E(0..max_k) as planned this step
         self.yield_correction = 0.0  # this step's expected minus realized verification yields
-        self.catch_up_seconds = 0.0  # ... and what that costs beyond a usual first draft forward
         self.proposed_per_position = [0] * max_k  # draft position i -> tokens proposed there
         self.accepted_per_position = [0] * max_k  # draft position i -> tokens accepted there
 
