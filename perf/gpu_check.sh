@@ -22,7 +22,7 @@ if [[ $STEPS == *bandwidth* ]]; then
   timeout 90 $PY perf/bench_kernels.py --head-dim 64 --batch 128 --min-context 128 --context 1024 \
     --num-splits 1 2 --block-n 32 64 128 2>&1 | tail -25 | tee -a "$OUT/bench_kernels.txt"
   echo "== small-batch linears: cuBLAS vs the Triton gemv kernel at the 1B shapes, tile sweep"
-  timeout 120 $PY perf/bench_gemv.py --block-n 16 32 64 --block-k 128 256 512 2>&1 | tail -25 | tee "$OUT/bench_gemv.txt"
+  timeout 120 $PY perf/bench_gemv.py --block-n 16 32 64 --block-k 128 256 512 2>&1 | tail -30 | tee "$OUT/bench_gemv.txt"
 fi
 if [[ $STEPS == *e2e* ]]; then
   echo "== end to end, Llama-3.2-1B shape, bf16"
