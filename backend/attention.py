@@ -1,4 +1,5 @@
-"""Attention backends: where K/V are stored and how paged attention is computed.
+"""Attention backends: how K/V reach the cache (with RoPE, in one pass) and how paged attention is
+computed.
 
 `TorchAttention` runs the torch references from kernels/ on any device; `TritonAttention` runs
 the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1). Both take the same metadata.
@@ -9,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_cache import store_kvcache_ref
 from kernels.paged_attention import ReferencePlan, paged_attention_ref, plan_reference
+from kernels.rotary import rotary_store_kv_ref
 
 
 @dataclass(slots=True)
@@ -28,7 +29,9 @@ class AttentionBackend:
     name = "base"
     supports_cuda_graphs = False  # True when forward never syncs with the host
 
-    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def rotate_and_store(self, q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+        """RoPE of q and k; the rotated k and v stored at their cache slots. Returns the rotated q
+        (kernels/rotary.py, `rotary_store_kv`)."""
         raise NotImplementedError
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -38,8 +41,8 @@ class AttentionBackend:
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+    def rotate_and_store(self, q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+        return rotary_store_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.reference_plan is None:  # first layer of the step; the others reuse it
@@ -55,14 +58,14 @@ class TritonAttention(AttentionBackend):
     supports_cuda_graphs = True
 
     def __init__(self) -> None:
-        from kernels.kv_cache import store_kvcache
         from kernels.paged_attention import paged_attention
+        from kernels.rotary import rotary_store_kv
 
-        self._store = store_kvcache
+        self._rotate_and_store = rotary_store_kv  # one launch for RoPE and the store
         self._attend = paged_attention
 
-    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self._store(key, value, k_cache, v_cache, slot_mapping)
+    def rotate_and_store(self, q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+        return self._rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._attend(

@@ -123,7 +123,7 @@ class LLMEngine:
         for name, m in (("target", model), ("draft", self.draft_model)):
             if m is None:
                 continue
-            m.use_triton_kernels(self.attention.name == "triton")  # RMSNorm, RoPE, SiLU-multiply too
+            m.use_triton_kernels(self.attention.name == "triton")  # RMSNorm and SiLU-multiply too
             if self.attention.name == "triton" and self.device.type == "cuda":
                 try:
                     self.linear_choices[name] = tune_small_batch_linears(m)

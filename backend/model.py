@@ -6,9 +6,9 @@ the checkpoint's separate tensors, see PACKED_PROJECTIONS). The forward takes th
 flattened (no padding) and an `AttentionMetadata` that says where each request's queries sit and
 where their K/V go in the paged cache.
 
-RMSNorm (with the residual add folded in), RoPE and the MLP's SiLU-multiply run as torch op
-chains, or as one Triton kernel each when `use_triton_kernels` is set (CUDA, or CPU under
-TRITON_INTERPRET=1); then RoPE also stores k and v in the KV cache, in the same launch.
+RMSNorm (with the residual add folded in) and the MLP's SiLU-multiply run as torch op chains, or
+as one Triton kernel each when `use_triton_kernels` is set (CUDA, or CPU under TRITON_INTERPRET=1).
+RoPE goes with the KV-cache store: the attention backend does both, the Triton one in one launch.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from torch import nn
 from backend.attention import AttentionBackend, AttentionMetadata
 from kernels.gemv import gemv
 from kernels.rms_norm import rms_norm, rms_norm_ref  # Triton itself is imported on a kernel's first call
-from kernels.rotary import apply_rotary, apply_rotary_ref, rotary_store_kv
 from kernels.silu_mul import silu_mul, silu_mul_ref
 
 
@@ -94,7 +93,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved RoPE (HF's rotate_half layout) from a precomputed cos/sin table."""
+    """Non-interleaved RoPE (HF's rotate_half layout): the precomputed cos/sin tables that the
+    attention backend's `rotate_and_store` applies."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int):
         super().__init__()
@@ -102,12 +102,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq.float())  # [max_positions, head_dim // 2]
         self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
-        self.use_triton_kernels = False
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        rotate = apply_rotary if self.use_triton_kernels else apply_rotary_ref
-        return rotate(q, k, positions, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -133,12 +127,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
-        if self.rotary.use_triton_kernels:  # RoPE and the KV-cache store in one launch
-            r = self.rotary
-            q = rotary_store_kv(q, k, v, positions, r.cos, r.sin, k_cache, v_cache, meta.slot_mapping)
-        else:
-            q, k = self.rotary(positions, q, k)
-            attn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        r = self.rotary
+        q = attn.rotate_and_store(q, k, v, positions, r.cos, r.sin, k_cache, v_cache, meta.slot_mapping)
         o = attn.forward(q, k_cache, v_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
@@ -208,8 +198,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x).float()
 
     def use_triton_kernels(self, enabled: bool) -> None:
-        """Run RMSNorm, RoPE and SiLU-multiply as Triton kernels (attention is the
-        AttentionBackend's choice)."""
+        """Run RMSNorm and SiLU-multiply as Triton kernels (RoPE, the KV store and attention are
+        the AttentionBackend's choice)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+            if isinstance(module, (RMSNorm, MLP)):
                 module.use_triton_kernels = enabled

@@ -156,7 +156,7 @@ def instrument(engine: LLMEngine, timer: PhaseTimer, kv: KVStats) -> None:
     runner.prepare = timer.wrap("prepare", runner.prepare)
     runner.run = timer.wrap("run", runner.run)
     attention.forward = timer.wrap("attention", attention.forward)
-    attention.store_kvcache = timer.wrap("store_kvcache", attention.store_kvcache)
+    attention.rotate_and_store = timer.wrap("rotate_and_store", attention.rotate_and_store)
     engine.update = timer.wrap("update", engine.update)
 
 
@@ -286,9 +286,9 @@ def report(results: list[RunResult], kv: KVStats, timer: PhaseTimer, targets: di
         "schedule": t["schedule"],
         "runner.prepare (flat batch, block tables, slot mapping)": t["prepare"],
         "forward: attention": t["attention"],
-        "forward: store_kvcache": t["store_kvcache"],
-        "forward: the rest (linears, norms, RoPE, lm_head)": (
-            t["run"] - t["prepare"] - t["attention"] - t["store_kvcache"]
+        "forward: RoPE and store_kvcache": t["rotate_and_store"],
+        "forward: the rest (linears, norms, lm_head)": (
+            t["run"] - t["prepare"] - t["attention"] - t["rotate_and_store"]
         ),
         "update (sample, bookkeeping, detokenize)": t["update"],
     }

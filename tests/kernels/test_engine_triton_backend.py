@@ -15,7 +15,7 @@ def test_triton_backend_matches_torch_backend(tiny_llama):
     torch_tokens = run_engine(LLMEngine(EngineConfig(attention_backend="torch", **knobs)), prompts, max_tokens)
     engine = LLMEngine(EngineConfig(attention_backend="triton", **knobs))
     assert engine.attention.name == "triton"
-    assert engine.model.model.norm.use_triton_kernels and engine.model.model.layers[0].self_attn.rotary.use_triton_kernels
+    assert engine.model.model.norm.use_triton_kernels and engine.model.model.layers[0].mlp.use_triton_kernels
     assert run_engine(engine, prompts, max_tokens) == torch_tokens
 
 
