@@ -16,7 +16,6 @@ Not thread-safe: backend.engine_loop.EngineLoop drives it from one thread.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass
 
@@ -30,7 +29,6 @@ from backend.detokenizer import IncrementalDetokenizer
 from backend.errors import ValidationError
 from backend.host_memory import retain_freed_memory
 from backend.linear_tuner import tune_small_batch_linears
-from backend.model import Linear
 from backend.model_loader import TORCH_DTYPES, load_draft_model, load_hf_config, load_model
 from backend.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 from backend.outputs import RequestOutput
@@ -42,9 +40,6 @@ from backend.sampler import Logprobs, Sampler, SamplingRow, compute_logprobs, ga
 from backend.speculator import Speculator
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
-
-log = logging.getLogger(__name__)
-
 
 @dataclass(slots=True)
 class EngineStats:
@@ -125,13 +120,7 @@ class LLMEngine:
                 continue
             m.use_triton_kernels(self.attention.name == "triton")  # RMSNorm and SiLU-multiply too
             if self.attention.name == "triton" and self.device.type == "cuda":
-                try:
-                    self.linear_choices[name] = tune_small_batch_linears(m)
-                except Exception as e:  # a tuning failure must not stop the engine: torch's matmul everywhere
-                    log.warning("small-batch linear tuning failed (%r); using torch's matmul", e)
-                    for module in m.modules():
-                        if isinstance(module, Linear):
-                            module.gemv_max_rows = 0
+                self.linear_choices[name] = tune_small_batch_linears(m)
         bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
         if self.draft_model is not None:
             bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.draft_dtype)

@@ -4,10 +4,12 @@ At batch 1-16 a linear layer reads its whole weight for a few rows of output; wh
 it faster depends on the shape and the GPU. For each distinct weight shape of a model the tuner
 times both at 1, 2, 4, 8 and 16 rows, each call after the L2 cache is flushed (the model's
 weights do not stay in L2 between uses), and lets the kernel take the row counts up to the first
-one where it is not faster.
+one where it is not faster. If tuning fails, torch's matmul is kept everywhere: a start-up
+optimisation must not stop the engine.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
@@ -21,6 +23,8 @@ from kernels.gemv import MAX_ROWS, gemv
 ROW_COUNTS = (1, 2, 4, 8, MAX_ROWS)
 REPEATS = 10
 FLUSH_BYTES = 256 << 20  # more than any GPU's L2
+
+log = logging.getLogger(__name__)
 
 
 def time_call(fn, flush: torch.Tensor | None, repeats: int = REPEATS) -> float:
@@ -57,14 +61,25 @@ def rows_for_gemv(times: dict[int, tuple[float, float]]) -> int:
     return chosen
 
 
-@torch.inference_mode()
 def tune_small_batch_linears(model: nn.Module) -> dict[tuple[int, int], dict]:
     """Sets every Linear's `gemv_max_rows`; returns, per weight shape (out, in), the rows chosen
-    and both kernels' times at each row count measured."""
+    and both kernels' times at each row count measured ({} when tuning failed)."""
     by_shape: dict[tuple[int, int], list[Linear]] = {}
     for module in model.modules():
         if isinstance(module, Linear):
             by_shape.setdefault(tuple(module.weight.shape), []).append(module)
+    try:
+        return _tune(model, by_shape)
+    except Exception as e:
+        log.warning("small-batch linear tuning failed (%r); using torch's matmul", e)
+        for modules in by_shape.values():
+            for module in modules:
+                module.gemv_max_rows = 0
+        return {}
+
+
+@torch.inference_mode()
+def _tune(model: nn.Module, by_shape: dict[tuple[int, int], list[Linear]]) -> dict[tuple[int, int], dict]:
     if not by_shape:
         return {}
     device = next(model.parameters()).device
