@@ -173,7 +173,7 @@ class SpecController:
                 own.add(0, 0, REQUEST_DECAY)
         best_ks, best_rate = np.zeros(num, dtype=int), num / max(plain_seconds, 1e-9)
         rows = np.arange(num)
-        for k in range(1, self.max_k + 1 if caps.max() > 0 else 1):
+        for k in range(1, self.max_k + 1):
             ks = np.minimum(k, caps)
             seconds = self.target_cost(num + int(ks.sum())) + draft_seconds[ks.max()]
             rate = expected[rows, ks].sum() / max(seconds, 1e-9)
