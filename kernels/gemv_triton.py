@@ -36,7 +36,7 @@ def _gemv_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def default_tiles(n: int, k: int, dtype: torch.dtype) -> tuple[int, int]:
+def default_tiles(dtype: torch.dtype) -> tuple[int, int]:
     """(block_n, block_k): 16 weight rows per program, so that even a 2048-row weight gives 128
     programs (an H200 has 132 SMs), and 512-byte row segments per load."""
     return 16, 512 // dtype.itemsize
@@ -58,7 +58,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
     (m, k), n = x.shape, weight.shape[0]
-    tiles = default_tiles(n, k, x.dtype)
+    tiles = default_tiles(x.dtype)
     block_n, block_k = block_n or tiles[0], block_k or tiles[1]
     for name, size in (("block_n", block_n), ("block_k", block_k)):
         if size < 16 or size & (size - 1):
