@@ -16,6 +16,7 @@ Not thread-safe: backend.engine_loop.EngineLoop drives it from one thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -26,7 +27,8 @@ from backend.attention import make_attention_backend
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
-from backend.errors import ValidationError
+from backend.errors import INTERNAL_ERROR, ValidationError, is_fatal
+from backend.fault_injection import FaultHook
 from backend.host_memory import retain_freed_memory
 from backend.linear_tuner import tune_small_batch_linears
 from backend.model_loader import TORCH_DTYPES, load_draft_model, load_hf_config, load_model
@@ -40,6 +42,8 @@ from backend.sampler import Logprobs, Sampler, SamplingRow, compute_logprobs, ga
 from backend.speculator import Speculator
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
+
+log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class EngineStats:
@@ -152,6 +156,7 @@ class LLMEngine:
         self.num_tokens_emitted: dict[str, int] = {}  # request id -> output tokens already handed out
         self.pending_logprobs: dict[str, list[dict]] = {}  # request id -> logprobs not handed out yet
         self._ids = itertools.count()
+        self.fault_hook: FaultHook | None = None  # tests: make chosen requests raise in a step
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.peak_blocks_used = 0
@@ -183,6 +188,8 @@ class LLMEngine:
         vocab = self.model.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValidationError("input_ids", f"token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValidationError("stop_token_ids", f"token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValidationError(
                 "text_input", f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}"
@@ -220,8 +227,9 @@ class LLMEngine:
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         return self._output(request)
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """End every request with an error (after an exception inside a step)."""
+    def fail_all(self, message: str = INTERNAL_ERROR) -> list[RequestOutput]:
+        """End every request with an error (after an exception in a step that no one request
+        can be blamed for)."""
         outputs = []
         self.in_flight = None
         for request in list(self.requests.values()):
@@ -325,16 +333,11 @@ class LLMEngine:
         tokens = step.host_tokens.tolist()
         logprobs = step.logprobs.entries(tokens, step.rows) if step.logprobs is not None else [None] * len(tokens)
         outputs = []
-        for request, token, lp in zip(step.requests, tokens, logprobs):
+        for request, row, token, lp in zip(step.requests, step.rows, tokens, logprobs):
             if self.requests.get(request.request_id) is not request:
                 continue  # aborted, or finished by an earlier token: this row was wasted
             request.num_pending_tokens -= 1
-            self._append_tokens(request, [token], [lp])
-            if request.is_finished:
-                self.scheduler.finish(request, request.status)
-            else:
-                self.block_manager.cache_full_blocks(request)
-            outputs.append(self._output(request))
+            outputs.append(self._advance(request, [token], [lp], row.error))
         return outputs
 
     def update(
@@ -352,6 +355,7 @@ class LLMEngine:
             return []
         work = logits.clone() if wants_logprobs(rows) else logits  # kept raw for logprobs
         probs = self.sampler.distributions(work, rows)
+        faults = {row.request.request_id: row.error for row in rows if row.error is not None}
         chosen = [0] * len(rows)  # token per row
         plain = [i for i, row in enumerate(rows) if not row.request.spec_token_ids]  # no drafts to verify
         if plain:
@@ -366,7 +370,7 @@ class LLMEngine:
             k = len(r.spec_token_ids)
             if k == 0:
                 new_tokens[r.request_id] = [chosen[row]]
-            else:
+            elif r.request_id not in faults:
                 speculating.append((r, row))
                 proposals.append(Proposal(r.spec_token_ids, draft_probs.get(r.request_id), row))
             row += k + 1
@@ -382,21 +386,49 @@ class LLMEngine:
         outputs = []
         row = 0
         for r in sampled:
-            k = len(r.spec_token_ids)
-            tokens = new_tokens[r.request_id]
+            tokens = new_tokens.get(r.request_id, [])  # none for a faulty request's drafts
+            lps = logprobs[row : row + len(tokens)]
+            row += len(r.spec_token_ids) + 1
             r.spec_token_ids, r.num_lookahead_tokens = [], 0
-            self._append_tokens(r, tokens, logprobs[row : row + len(tokens)])
-            row += k + 1
-            if r.is_finished:
-                self.scheduler.finish(r, r.status)
-            else:
-                self.block_manager.trim(r, r.num_tokens)  # no block stays for rejected positions
-                self.block_manager.cache_full_blocks(r)
-            outputs.append(self._output(r))
+            # trim: no block stays for rejected positions
+            outputs.append(self._advance(r, tokens, lps, faults.get(r.request_id), trim=True))
         return outputs
+
+    def _advance(
+        self, request: Request, tokens: list[int], logprobs: list[dict | None], error: Exception | None, trim: bool = False
+    ) -> RequestOutput:
+        """Append a request's new tokens, then finish it or cache its full blocks; its output.
+        A fault of its own (`error`, from sampling, or raised here) fails it alone."""
+        try:
+            if error is not None:
+                raise error
+            self._append_tokens(request, tokens, logprobs)
+            if request.is_finished:
+                self.scheduler.finish(request, request.status)
+            else:
+                if trim:
+                    self.block_manager.trim(request, request.num_tokens)
+                self.block_manager.cache_full_blocks(request)
+            return self._output(request)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            return self._fail(request, e)
+
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        """End one request with an internal error (the detail goes to the log); its batch-mates
+        go on as if it had finished."""
+        log.error("request %s failed in a step; the others go on", request.request_id, exc_info=error)
+        request.num_pending_tokens = 0
+        request.spec_token_ids, request.num_lookahead_tokens = [], 0
+        request.error = INTERNAL_ERROR
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        return self._output(request)
 
     def _append_tokens(self, request: Request, tokens: list[int], logprobs: list[dict | None]) -> None:
         """Append tokens one at a time, stopping exactly where the request finishes."""
+        if self.fault_hook is not None:
+            self.fault_hook(request)
         detok = self.detokenizers[request.request_id]
         p = request.params
         for token, lp in zip(tokens, logprobs):
@@ -427,7 +459,7 @@ class LLMEngine:
         self.num_tokens_emitted[rid] = request.num_output_tokens
         out = RequestOutput(
             request_id=rid,
-            text=self.detokenizers[rid].take_delta(finished),
+            text="" if request.error else self.detokenizers[rid].take_delta(finished),
             token_ids=request.output_token_ids[start:],
             finished=finished,
             finish_reason=request.finish_reason,

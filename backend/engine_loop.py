@@ -2,7 +2,11 @@
 
 Other threads submit and abort; the engine thread applies those between iterations, steps the
 engine while it has work, and hands every RequestOutput to the callback given at submit time.
-If a step raises, every request in flight ends with an error and the loop keeps serving.
+
+Faults: the engine fails a request alone when the fault is its own (see LLMEngine._fail). If a
+step raises anyway, every request in flight ends with INTERNAL_ERROR and the loop keeps serving;
+if the error is fatal (a CUDA error: the device's state is lost), every request ends with
+ENGINE_DEAD, the loop is `dead` and refuses new requests at once (EngineDeadError).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import traceback
 from typing import Callable
 
 from backend.engine import LLMEngine
+from backend.errors import ENGINE_DEAD, INTERNAL_ERROR, EngineDeadError, ValidationError, is_fatal
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams
 
@@ -30,6 +35,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._lock = threading.Lock()
         self._next_id = 0
+        self.dead = False  # a fatal fault: the engine takes no more requests
 
     def start(self) -> None:
         self._thread.start()
@@ -41,7 +47,9 @@ class EngineLoop:
         on_output: OutputCallback,
         request_id: str | None = None,
     ) -> str:
-        """Validate now (raises ValidationError), run on the engine thread."""
+        """Validate now (raises ValidationError, or EngineDeadError), run on the engine thread."""
+        if self.dead:
+            raise EngineDeadError(ENGINE_DEAD)
         self.engine.validate(prompt_ids, params)
         with self._lock:
             if request_id is None:
@@ -83,9 +91,14 @@ class EngineLoop:
                 _, request_id, prompt_ids, params, on_output = item
                 self._callbacks[request_id] = on_output
                 try:
+                    if self.dead:
+                        raise EngineDeadError(ENGINE_DEAD)
                     self.engine.add_request(prompt_ids, params, request_id)
                 except Exception as e:  # e.g. a duplicate id: end just this request
-                    self._deliver(RequestOutput(request_id, "", [], True, "error", error=str(e)))
+                    if not isinstance(e, (ValidationError, EngineDeadError)):
+                        log.exception("adding request %s failed", request_id)
+                    message = str(e) if isinstance(e, (ValidationError, EngineDeadError)) else INTERNAL_ERROR
+                    self._deliver(RequestOutput(request_id, "", [], True, "error", error=message))
             else:
                 output = self.engine.abort(item[1])
                 if output is not None:
@@ -98,14 +111,15 @@ class EngineLoop:
                 for request_id in list(self.engine.requests):
                     self._deliver(self.engine.abort(request_id))
                 return
-            if not self.engine.has_unfinished_requests():
+            if self.dead or not self.engine.has_unfinished_requests():
                 self._wakeup.wait(0.1)
                 self._wakeup.clear()
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as e:
-                log.error("engine step failed:\n%s", traceback.format_exc())
-                outputs = self.engine.fail_all(f"internal error in the engine: {e}")
+                self.dead = is_fatal(e)
+                log.error("engine step failed%s:\n%s", " fatally" if self.dead else "", traceback.format_exc())
+                outputs = self.engine.fail_all(ENGINE_DEAD if self.dead else INTERNAL_ERROR)
             for output in outputs:
                 self._deliver(output)

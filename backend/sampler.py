@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.errors import is_fatal
 from backend.request import Request
 
 
@@ -24,6 +25,7 @@ def on_device(values, device, dtype=None) -> torch.Tensor:
 class SamplingRow:
     request: Request
     extra_output: list[int] = field(default_factory=list)  # draft tokens before this position
+    error: Exception | None = None  # this row's penalties raised: its request fails alone
 
     @property
     def num_output(self) -> int:
@@ -32,31 +34,42 @@ class SamplingRow:
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Repetition (prompt + output), presence and frequency (output) penalties, and the
-    EOS/stop-token mask before min_tokens. logits: [num_rows, vocab] float32, changed in place."""
-    vocab = logits.shape[1]
+    EOS/stop-token mask before min_tokens. logits: [num_rows, vocab] float32, changed in place.
+    A row whose penalties raise keeps the exception in `row.error` (its request is failed by the
+    engine) and the other rows go on; a fatal (device) error is raised."""
     for i, row in enumerate(rows):
-        p = row.request.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            output = row.request.output_token_ids + row.extra_output
-            out_ids = on_device(output, logits.device, torch.long)
-            counts = torch.zeros(vocab, device=logits.device).index_add_(
-                0, out_ids, torch.ones(len(output), device=logits.device)
-            )
-            if p.repetition_penalty != 1.0:
-                seen = counts > 0
-                seen[on_device(row.request.prompt_token_ids, logits.device, torch.long)] = True
-                x = logits[i]
-                penalized = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-                logits[i] = torch.where(seen, penalized, x)
-            if p.frequency_penalty:
-                logits[i] -= p.frequency_penalty * counts
-            if p.presence_penalty:
-                logits[i] -= p.presence_penalty * (counts > 0).float()
-        if row.num_output < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.request.eos_token_ids))
-            if banned:
-                logits[i, on_device(banned, logits.device, torch.long)] = float("-inf")
+        try:
+            _penalize_row(logits, i, row)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            row.error = e
     return logits
+
+
+def _penalize_row(logits: torch.Tensor, i: int, row: SamplingRow) -> None:
+    vocab = logits.shape[1]
+    p = row.request.params
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        output = row.request.output_token_ids + row.extra_output
+        out_ids = on_device(output, logits.device, torch.long)
+        counts = torch.zeros(vocab, device=logits.device).index_add_(
+            0, out_ids, torch.ones(len(output), device=logits.device)
+        )
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[on_device(row.request.prompt_token_ids, logits.device, torch.long)] = True
+            x = logits[i]
+            penalized = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalized, x)
+        if p.frequency_penalty:
+            logits[i] -= p.frequency_penalty * counts
+        if p.presence_penalty:
+            logits[i] -= p.presence_penalty * (counts > 0).float()
+    if row.num_output < p.min_tokens:
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.request.eos_token_ids))
+        if banned:
+            logits[i, on_device(banned, logits.device, torch.long)] = float("-inf")
 
 
 def probs_from_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -1,4 +1,11 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction.
+
+Every field is type-checked and range-checked here, so that nothing a client sends can fail later
+inside a step: integers are bounded (no 64-bit overflow in a tensor), floats are finite, the
+temperature follows vLLM's rule (below 1e-5 is greedy; up to 1e-2 is raised to 1e-2, where the
+softmax stays finite), the repetition penalty keeps vLLM's upper bound and a lower bound that cannot
+overflow the logits. Token ids are checked against the vocabulary by the engine, which knows it.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +16,14 @@ from typing import Any
 from backend.errors import ValidationError
 
 UINT64_MAX = 2**64 - 1
+INT32_MAX = 2**31 - 1
+GREEDY_TEMPERATURE = 1e-5  # below this, temperature means greedy (vLLM's _SAMPLING_EPS)
+MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (vLLM's _MAX_TEMP)
+MIN_REPETITION_PENALTY = 0.01  # logits / 0.01 stay finite in float32
+MAX_REPETITION_PENALTY = 2.0  # vLLM's bound
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(slots=True)
@@ -30,33 +45,32 @@ class SamplingParams:
     speculative: bool = True  # per-request opt-out of speculative decoding
 
     def __post_init__(self) -> None:
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        _check_int("max_tokens", self.max_tokens, 1, None)
-        _check_float("temperature", self.temperature, 0.0, None)
-        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _check_int("top_k", self.top_k, -1, None)
-        _check_float("min_p", self.min_p, 0.0, 1.0)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
-        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        self.temperature = _check_float("temperature", self.temperature, 0.0, None)
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
+        elif self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        self.top_k = _check_int("top_k", self.top_k, -1, INT32_MAX)
+        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+        )
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, UINT64_MAX)
-        _check_int("min_tokens", self.min_tokens, 0, None)
-        if self.min_tokens > self.max_tokens:
-            raise ValidationError(
-                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
-            )
+            self.seed = _check_int("seed", self.seed, 0, UINT64_MAX)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, 20)
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValidationError("stop", f"must be a list of non-empty strings, got {s!r}")
+            self.logprobs = _check_int("logprobs", self.logprobs, 0, 20)
+        self.stop = _check_stop(self.stop)
+        self.stop_token_ids = _check_list("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0, None)
+            _check_int("stop_token_ids", t, 0, INT32_MAX)
         for name in ("ignore_eos", "speculative"):
             if not isinstance(getattr(self, name), bool):
-                raise ValidationError(name, f"must be a boolean, got {getattr(self, name)!r}")
+                raise ValidationError(name, f"must be a boolean, got {_show(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
@@ -69,10 +83,11 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         """Build from a JSON-like dict; unknown keys are an error naming them."""
-        unknown = sorted(set(values) - cls.field_names())
+        unknown = sorted(set(values) - cls.field_names(), key=str)
         if unknown:
             raise ValidationError(
-                unknown[0], f"unknown sampling parameter; allowed: {', '.join(sorted(cls.field_names()))}"
+                str(unknown[0])[:40],
+                f"unknown sampling parameter; allowed: {', '.join(sorted(cls.field_names()))}",
             )
         return cls(**values)
 
@@ -80,21 +95,48 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
+def _show(value: Any, limit: int = 40) -> str:
+    """A value as the error message quotes it: short, whatever the client sent."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(name, f"must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValidationError(name, f"must be in {allowed}, got {value}")
+        raise ValidationError(name, f"must be an integer in [{low}, {high}], got {_show(value)}")
+    if not low <= value <= high:
+        raise ValidationError(name, f"must be in [{low}, {high}], got {_show(value)}")
+    return value
 
 
-def _check_float(
-    name: str, value: Any, low: float, high: float | None, low_open: bool = False
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValidationError(name, f"must be a number, got {value!r}")
+def _check_float(name: str, value: Any, low: float, high: float | None, low_open: bool = False) -> float:
+    lo = "(" if low_open else "["
+    allowed = f"{lo}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValidationError(name, f"must be a number {'in ' if high is not None else ''}{allowed}, got {_show(value)}")
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond float range
+        raise ValidationError(name, f"must be in {allowed}, got {_show(value)}") from None
     too_low = value <= low if low_open else value < low
-    if too_low or (high is not None and value > high) or math.isinf(value):
-        lo = "(" if low_open else "["
-        allowed = f"{lo}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
-        raise ValidationError(name, f"must be in {allowed}, got {value}")
+    if math.isnan(value) or math.isinf(value) or too_low or (high is not None and value > high):
+        raise ValidationError(name, f"must be in {allowed}, got {_show(value)}")
+    return value
+
+
+def _check_list(name: str, value: Any, max_len: int) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise ValidationError(name, f"must be a list (at most {max_len} items), got {_show(value)}")
+    if len(value) > max_len:
+        raise ValidationError(name, f"must hold at most {max_len} items, got {len(value)}")
+    return list(value)
+
+
+def _check_stop(value: Any) -> list[str]:
+    stop = _check_list("stop", [value] if isinstance(value, str) else value, MAX_STOP_STRINGS)
+    for s in stop:
+        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+            raise ValidationError(
+                "stop", f"must be a list of strings of 1 to {MAX_STOP_STRING_CHARS} characters, got {_show(s)}"
+            )
+    return stop

@@ -32,7 +32,7 @@ def _parse(**inputs):
             arrays[name] = _text(value)
         elif value is None:
             arrays.pop(name, None)
-    return request_inputs.parse_request(arrays, render_chat=lambda messages: f"<chat {len(messages)}>")
+    return request_inputs.parse_request(arrays, render_chat=lambda messages: f"<chat {len(messages)}>", max_prompt_bytes=1000)
 
 
 def test_single_inputs_become_sampling_params():

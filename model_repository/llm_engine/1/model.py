@@ -19,6 +19,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,8 @@ from metrics import EngineMetrics  # noqa: E402
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.engine_loop import EngineLoop  # noqa: E402
-from backend.errors import ValidationError  # noqa: E402
+from backend.errors import ENGINE_DEAD, INTERNAL_ERROR, EngineDeadError, ValidationError  # noqa: E402
+from backend.fault_injection import fault_hook_from_env  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
 
@@ -57,6 +59,11 @@ CANCEL_CHECKS_PER_POLL = 16
 # for this long, a request arriving with an aborted id that matched nothing is aborted on arrival.
 EARLY_ABORT_MEMORY_S = 10.0
 _STOP = object()
+# request_options keys (preprocessing's RequestOptions): each a boolean
+REQUEST_OPTIONS = (
+    "stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+    "return_num_output_tokens", "return_logprobs",
+)
 
 
 @dataclass(slots=True)
@@ -83,7 +90,13 @@ class TritonPythonModel:
         model_dir = Path(args["model_repository"])
         config = EngineConfig.from_strings(_engine_parameters(model_config, model_dir))
         pb_utils.Logger.log_info(f"llm_engine: starting engine with {config}")
-        self.loop = EngineLoop(LLMEngine(config))
+        self.model_name = args["model_name"]
+        engine = LLMEngine(config)
+        engine.fault_hook = fault_hook_from_env(os.environ.get("SPECSERVE_FAULT_INJECTION"))
+        if engine.fault_hook is not None:
+            pb_utils.Logger.log_warn("llm_engine: test fault injection is on (SPECSERVE_FAULT_INJECTION)")
+        self.loop = EngineLoop(engine)
+        self.unloading = False  # the engine died and this model asked Triton to unload it
         self.metrics = EngineMetrics({"model": args["model_name"], "version": args["model_version"]})
         self.requests: dict[str, RequestState] = {}  # request id -> state; sender thread owns it
         # Triton request id -> time.monotonic() until which a request arriving with it is aborted
@@ -102,7 +115,16 @@ class TritonPythonModel:
     # -- Triton's thread: hand off, never block -----------------------------------------------------
     def execute(self, requests):
         for request in requests:
-            self._submit(request)
+            try:
+                self._submit(request)
+            except ValidationError as e:  # a malformed abort_request_id
+                _send_error(request.get_response_sender(), str(e), pb_utils.TritonError.INVALID_ARG)
+            except Exception as e:  # _submit answers every problem it expects; this is a bug
+                pb_utils.Logger.log_error(f"llm_engine: taking a request failed: {_traceback(e)}")
+                try:
+                    _send_error(request.get_response_sender(), INTERNAL_ERROR)
+                except Exception:
+                    pass  # it was answered already
         return None
 
     def _submit(self, request) -> None:
@@ -118,26 +140,25 @@ class TritonPythonModel:
         if self.early_aborts.pop(triton_request_id, 0.0) > arrival:
             sender.send(flags=final)
             return
-        try:
-            for name in ("input_ids", "sampling_params"):
-                if pb_utils.get_input_tensor_by_name(request, name) is None:
-                    raise ValidationError(name, "required (or abort_request_id)")
-            prompt_ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
-            params = SamplingParams.from_dict(json.loads(_text(request, "sampling_params")))
-            options = json.loads(_text(request, "request_options") or "{}")
-            prompt_text = _text(request, "prompt_text")
-        except (ValidationError, ValueError, TypeError, AttributeError) as e:
-            _send_error(sender, f"llm_engine: bad request: {e}", pb_utils.TritonError.INVALID_ARG)
-            return
         request_id = uuid.uuid4().hex
-        state = RequestState(sender, triton_request_id, options, prompt_text, arrival)
-        state.echo_pending = not options.get("exclude_input_in_output", True)
-        self.requests[request_id] = state  # before submit: outputs may come back at once
         try:
-            self.loop.submit(prompt_ids.reshape(-1).tolist(), params, self._on_output, request_id)
+            if self.loop.dead:
+                raise EngineDeadError(ENGINE_DEAD)
+            prompt_ids, params, options, prompt_text = _engine_request(request)
+            state = RequestState(sender, triton_request_id, options, prompt_text, arrival)
+            state.echo_pending = not options.get("exclude_input_in_output", True)
+            self.requests[request_id] = state  # before submit: outputs may come back at once
+            self.loop.submit(prompt_ids, params, self._on_output, request_id)
         except ValidationError as e:
-            del self.requests[request_id]
+            self.requests.pop(request_id, None)
             _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+        except EngineDeadError as e:
+            self.requests.pop(request_id, None)
+            _send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+        except Exception as e:
+            self.requests.pop(request_id, None)
+            pb_utils.Logger.log_error(f"llm_engine: taking a request failed: {_traceback(e)}")
+            _send_error(sender, INTERNAL_ERROR)
 
     def _abort_by_triton_id(self, triton_request_id: str) -> None:
         """Abort every request in flight sent with this Triton request id. The engine ends each
@@ -176,8 +197,21 @@ class TritonPythonModel:
                     next_poll = now + POLL_INTERVAL_S
                     self._check_cancelled()
                     self.metrics.refresh(self.loop.engine.stats())
+                    if self.loop.dead and not self.unloading:
+                        self._unload()
             except Exception as e:
-                pb_utils.Logger.log_error(f"llm_engine: sender: {e!r}")
+                pb_utils.Logger.log_error(f"llm_engine: sender: {_traceback(e)}")
+
+    def _unload(self) -> None:
+        """The engine died: have Triton unload this model, so that it reports not ready (as
+        vllm_backend does on a failed health check). Needs --model-control-mode=explicit; until
+        then (or without it) every new request gets UNAVAILABLE at once."""
+        self.unloading = True
+        pb_utils.Logger.log_error(f"llm_engine: the engine has failed; unloading {self.model_name}")
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as e:
+            pb_utils.Logger.log_error(f"llm_engine: could not unload {self.model_name}: {e}")
 
     def _check_cancelled(self) -> None:
         """Check the next CANCEL_CHECKS_PER_POLL requests (in arrival order, wrapping around)."""
@@ -208,10 +242,10 @@ class TritonPythonModel:
         try:
             self._respond(state, output)
         except Exception as e:
-            pb_utils.Logger.log_warn(f"llm_engine: sending a response failed: {e!r}")
+            pb_utils.Logger.log_warn(f"llm_engine: sending a response failed: {_traceback(e)}")
             if output.finished:  # the request must still end, or its client waits forever
                 try:
-                    _send_error(state.sender, f"internal error sending the response: {e}")
+                    _send_error(state.sender, INTERNAL_ERROR)
                 except Exception:
                     pass  # the client is gone
 
@@ -228,7 +262,9 @@ class TritonPythonModel:
     def _respond(self, state: RequestState, output: RequestOutput) -> None:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if output.finished and output.finish_reason == "error":
-            _send_error(state.sender, output.error or "internal error in the engine")
+            dead = output.error == ENGINE_DEAD
+            code = pb_utils.TritonError.UNAVAILABLE if dead else None
+            _send_error(state.sender, output.error or INTERNAL_ERROR, code)
             return
         if output.finished and state.cancelled:
             state.sender.send(flags=final)
@@ -277,12 +313,54 @@ def _engine_parameters(model_config: dict, model_dir: Path) -> dict[str, str]:
     return values
 
 
+def _engine_request(request) -> tuple[list[int], SamplingParams, dict, str]:
+    """prompt ids, sampling params, request options and prompt text of a generation request, as
+    preprocessing produced them; anything else is a ValidationError naming the input."""
+    for name in ("input_ids", "sampling_params"):
+        if pb_utils.get_input_tensor_by_name(request, name) is None:
+            raise ValidationError(name, "required (or abort_request_id)")
+    prompt_ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
+    params = _json_object(request, "sampling_params")
+    if params is None:
+        raise ValidationError("sampling_params", "must be a JSON object of sampling parameters")
+    options = _json_object(request, "request_options") or {}
+    for key, value in options.items():
+        if key not in REQUEST_OPTIONS or not isinstance(value, bool):
+            raise ValidationError("request_options", f"must map some of {', '.join(REQUEST_OPTIONS)} to booleans")
+    return prompt_ids, SamplingParams.from_dict(params), options, _text(request, "prompt_text")
+
+
+def _json_object(request, name: str) -> dict | None:
+    """A JSON object input (None when absent or blank)."""
+    raw = _text(request, name)
+    if not raw.strip():
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ValidationError(name, "malformed JSON") from None
+    if not isinstance(value, dict):
+        raise ValidationError(name, "must be a JSON object")
+    return value
+
+
+def _traceback(error: BaseException) -> str:
+    return "".join(traceback.format_exception(error))
+
+
 def _text(request, name: str) -> str:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         return ""
-    value = tensor.as_numpy().reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    value = tensor.as_numpy().reshape(-1)
+    if value.size != 1:
+        raise ValidationError(name, f"must hold one string, got {value.size}")
+    if not isinstance(value[0], bytes):
+        return str(value[0])
+    try:
+        return value[0].decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValidationError(name, "is not valid UTF-8") from None
 
 
 def _bytes_tensor(name: str, text: str):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -26,7 +27,7 @@ _extend_sys_path()
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from preprocessor import Preprocessor  # noqa: E402
 
-from backend.errors import ValidationError  # noqa: E402
+from backend.errors import INTERNAL_ERROR, ValidationError  # noqa: E402
 
 
 class TritonPythonModel:
@@ -48,6 +49,12 @@ class TritonPythonModel:
                 responses.append(self._preprocess(request))
             except ValidationError as e:
                 error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+            except Exception as e:  # the detail goes to the log, never to the client
+                pb_utils.Logger.log_error(
+                    "preprocessing: " + "".join(traceback.format_exception(e))
+                )
+                error = pb_utils.TritonError(INTERNAL_ERROR, pb_utils.TritonError.INTERNAL)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
         return responses
 

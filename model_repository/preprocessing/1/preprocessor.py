@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from jinja2 import TemplateError
 from request_inputs import RequestOptions, parse_request
 from transformers import AutoTokenizer
 
@@ -42,6 +43,8 @@ class Preprocessor:
         self.tokenizer_dir = tokenizer_dir
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.max_model_len = max_model_len
+        # no prompt longer than this can fit the context: it is refused before tokenizing
+        self.max_prompt_bytes = max_model_len * _longest_token_bytes(self.tokenizer)
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str], repository: Path) -> Preprocessor:
@@ -54,7 +57,7 @@ class Preprocessor:
         return cls(tokenizer_dir, max_model_len)
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> PreprocessedRequest:
-        parsed = parse_request(inputs, self._render_chat)
+        parsed = parse_request(inputs, self._render_chat, self.max_prompt_bytes)
         input_ids = self.tokenizer(parsed.prompt, add_special_tokens=not parsed.from_messages)[
             "input_ids"
         ]
@@ -76,8 +79,18 @@ class Preprocessor:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
-        except Exception as e:  # jinja raises for roles or orders a template refuses
-            raise ValidationError("messages", f"the chat template refused them: {e}") from None
+        except TemplateError as e:  # raise_exception(): roles or orders the template refuses
+            raise ValidationError("messages", f"the chat template refused them: {str(e)[:200]}") from None
+
+
+def _longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of prompt text one token stands for: the longest token,
+    decoded or as written in the vocabulary (a byte-level "Ġ" is 2 bytes for 1, a lone byte
+    decodes to 3 bytes of U+FFFD), whichever is longer."""
+    ids = list(range(len(tokenizer)))
+    decoded = tokenizer.batch_decode([[i] for i in ids])
+    written = tokenizer.convert_ids_to_tokens(ids)
+    return max(max(len(d.encode("utf-8")), len((w or "").encode("utf-8"))) for d, w in zip(decoded, written))
 
 
 def _bytes(text: str) -> np.ndarray:

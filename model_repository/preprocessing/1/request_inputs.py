@@ -2,7 +2,9 @@
 
 Plain Python (no Triton imports), so the rules can be tested on their own. Inputs arrive as a
 dict of name -> numpy array (what the request carried); every problem is a ValidationError that
-names the input and what is allowed.
+names the input and what is allowed. The work per request is bounded before it is done: a prompt
+longer than `max_prompt_bytes` is refused unread, and JSON is parsed only within a size and a
+nesting depth (a deeply nested document would otherwise exhaust Python's recursion limit).
 """
 from __future__ import annotations
 
@@ -44,11 +46,18 @@ class RequestOptions:
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not isinstance(getattr(self, f.name), bool):
+                raise ValidationError(f.name, f"must be a boolean, got {_show(getattr(self, f.name))}")
+
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
 
 
 OPTION_INPUTS = tuple(f.name for f in fields(RequestOptions))
+MAX_SAMPLING_PARAMETERS_BYTES = 65536
+MAX_JSON_DEPTH = 8  # sampling_parameters needs 2 (an object of lists), messages 3
 # Keys `sampling_parameters` accepts: every SamplingParams field and every option flag.
 SAMPLING_PARAMETER_KEYS = sorted(SamplingParams.field_names() | set(OPTION_INPUTS))
 _FIELD_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)} | {
@@ -64,9 +73,11 @@ class ParsedRequest:
     options: RequestOptions
 
 
-def parse_request(inputs: dict[str, np.ndarray], render_chat) -> ParsedRequest:
-    """`render_chat(messages: list[dict]) -> str` applies the tokenizer's chat template."""
-    prompt, from_messages = _prompt(inputs, render_chat)
+def parse_request(inputs: dict[str, np.ndarray], render_chat, max_prompt_bytes: int) -> ParsedRequest:
+    """`render_chat(messages: list[dict]) -> str` applies the tokenizer's chat template.
+    `max_prompt_bytes`: the longest prompt (UTF-8) that could fit the context; longer ones are
+    refused before any tokenizing."""
+    prompt, from_messages = _prompt(inputs, render_chat, max_prompt_bytes)
     values = _sampling_parameters(inputs)
     for name in SAMPLING_INPUTS + OPTION_INPUTS:
         if name not in inputs:
@@ -75,29 +86,25 @@ def parse_request(inputs: dict[str, np.ndarray], render_chat) -> ParsedRequest:
         if name in values and not _same(values[name], value):
             raise ValidationError(
                 name,
-                f"given as an input ({value!r}) and in sampling_parameters ({values[name]!r}) "
+                f"given as an input ({_show(value)}) and in sampling_parameters ({_show(values[name])}) "
                 "with different values; give it once",
             )
         values[name] = value
     options = RequestOptions(**{k: values.pop(k) for k in OPTION_INPUTS if k in values})
     if options.return_logprobs and values.get("logprobs") is None:
         values["logprobs"] = 0  # the chosen token's logprob
-    if not isinstance(values.get("stop", []), (list, str)):
-        raise ValidationError("stop", f"must be a list of strings, got {values['stop']!r}")
     params = SamplingParams.from_dict(values)
     return ParsedRequest(prompt, from_messages, params, options)
 
 
-def _prompt(inputs: dict[str, np.ndarray], render_chat) -> tuple[str, bool]:
+def _prompt(inputs: dict[str, np.ndarray], render_chat, max_prompt_bytes: int) -> tuple[str, bool]:
     has_text, has_messages = "text_input" in inputs, "messages" in inputs
     if has_text and has_messages:
         raise ValidationError("text_input", "give text_input or messages, not both")
     if has_messages:
-        raw = _scalar_text("messages", inputs["messages"])
-        try:
-            messages = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValidationError("messages", f"malformed JSON: {e}") from None
+        # JSON escapes take up to 6 bytes per byte of text (\u00e9); the rendered chat is
+        # checked against max_prompt_bytes itself
+        messages = _load_json("messages", inputs["messages"], 6 * max_prompt_bytes)
         if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict)
             and isinstance(m.get("role"), str)
@@ -108,32 +115,40 @@ def _prompt(inputs: dict[str, np.ndarray], render_chat) -> tuple[str, bool]:
                 "messages",
                 'must be a non-empty JSON list of {"role": str, "content": str} objects',
             )
-        return render_chat(messages), True
+        prompt = render_chat(messages)
+        _check_prompt_bytes("messages", len(prompt.encode("utf-8")), max_prompt_bytes)
+        return prompt, True
     if not has_text:
         raise ValidationError("text_input", "required (or give messages, a JSON chat)")
     text = _scalar_text("text_input", inputs["text_input"])
+    _check_prompt_bytes("text_input", len(text.encode("utf-8")), max_prompt_bytes)
     if not text:
         raise ValidationError("text_input", "empty prompt")
     return text, False
 
 
+def _check_prompt_bytes(name: str, num_bytes: int, max_prompt_bytes: int) -> None:
+    if num_bytes > max_prompt_bytes:
+        raise ValidationError(
+            name,
+            f"the prompt is {num_bytes} bytes; at most {max_prompt_bytes} bytes can fit the "
+            "model's context (its length in tokens times the longest token's bytes)",
+        )
+
+
 def _sampling_parameters(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
     if "sampling_parameters" not in inputs:
         return {}
-    raw = _scalar_text("sampling_parameters", inputs["sampling_parameters"])
-    if not raw.strip():
+    values = _load_json("sampling_parameters", inputs["sampling_parameters"], MAX_SAMPLING_PARAMETERS_BYTES)
+    if values is None:
         return {}
-    try:
-        values = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValidationError("sampling_parameters", f"malformed JSON: {e}") from None
     if not isinstance(values, dict):
         raise ValidationError("sampling_parameters", "must be a JSON object")
     unknown = sorted(set(values) - set(SAMPLING_PARAMETER_KEYS))
     if unknown:
         raise ValidationError(
             "sampling_parameters",
-            f"unknown key {unknown[0]!r}; allowed: {', '.join(SAMPLING_PARAMETER_KEYS)}",
+            f"unknown key {_show(unknown[0])}; allowed: {', '.join(SAMPLING_PARAMETER_KEYS)}",
         )
     return {k: _coerce(k, v) for k, v in values.items()}
 
@@ -158,6 +173,46 @@ def _coerce(name: str, value: Any) -> Any:
     return value  # SamplingParams names the field and its type
 
 
+def _load_json(name: str, array: np.ndarray, max_bytes: int) -> Any:
+    """One JSON document of at most `max_bytes` bytes and MAX_JSON_DEPTH levels; None if blank."""
+    raw = _scalar_text(name, array, max_bytes)
+    if not raw.strip():
+        return None
+    if _json_depth(raw) > MAX_JSON_DEPTH:
+        raise ValidationError(name, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValidationError(name, f"malformed JSON: {e.msg} at character {e.pos}") from None
+
+
+def _json_depth(text: str) -> int:
+    """The deepest nesting of [ and { outside strings (an upper bound when the JSON is malformed)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _single_input(name: str, array: np.ndarray) -> Any:
     if name == "stop":
         return [_decode(name, v) for v in array.reshape(-1)]
@@ -173,10 +228,13 @@ def _single_input(name: str, array: np.ndarray) -> Any:
     return _decode(name, value)
 
 
-def _scalar_text(name: str, array: np.ndarray) -> str:
+def _scalar_text(name: str, array: np.ndarray, max_bytes: int | None = None) -> str:
     if array.size != 1:
         raise ValidationError(name, f"must hold one string, got shape {list(array.shape)}")
-    return _decode(name, array.reshape(-1)[0])
+    value = array.reshape(-1)[0]
+    if max_bytes is not None and isinstance(value, bytes) and len(value) > max_bytes:
+        raise ValidationError(name, f"is {len(value)} bytes; at most {max_bytes} are allowed")
+    return _decode(name, value)
 
 
 def _decode(name: str, value: Any) -> str:
@@ -191,7 +249,10 @@ def _decode(name: str, value: Any) -> str:
 def _same(a: Any, b: Any) -> bool:
     """Equal up to FP32 precision (an input is FP32, a JSON number is a double)."""
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-7)
+        try:
+            return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-7)
+        except OverflowError:  # an integer beyond float range equals no FP32 value
+            return False
     if isinstance(a, str) and isinstance(b, list):
         return [a] == b
     return a == b
