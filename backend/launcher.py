@@ -211,6 +211,10 @@ def server_command(
         "--allow-metrics=true",
         "--allow-gpu-metrics=false",
         "--disable-auto-complete-config",  # the configs are complete; skips a stub start per model
+        # explicit, loading every model: llm_engine can unload itself when its engine dies (so
+        # that it reports not ready), which Triton allows only in this mode
+        "--model-control-mode=explicit",
+        "--load-model=*",
         f"--log-verbose={log_verbose}",
         f"--exit-timeout-secs={exit_timeout}",  # on shutdown, wait this long for requests in flight
         *(f"--log-{level}={str(level in enabled).lower()}" for level in levels),

@@ -163,7 +163,8 @@ def _array(name: str, value: object, dtype: type) -> np.ndarray:
         items = [value] if isinstance(value, str) else list(value)
         return np.array([s.encode("utf-8") for s in items], dtype=np.object_)
     if dtype is np.object_:
-        return np.array([str(value).encode("utf-8")], dtype=np.object_)
+        raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
+        return np.array([raw], dtype=np.object_)
     return np.array([value], dtype=dtype)
 
 

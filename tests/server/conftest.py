@@ -21,6 +21,8 @@ from backend.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_serve
 from tests.conftest import write_tiny_model
 
 pytestmark = pytest.mark.server
+# a request with this seed raises inside a step after two tokens (backend/fault_injection.py)
+FAULT_SEED = 4242
 DEFAULT_MODEL = DEFAULT_MODEL_REPOSITORY / "llm_engine" / "1" / "target"
 TINY_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -90,9 +92,8 @@ def _repository_with_tiny_model(root: Path) -> tuple[Path, Path]:
     return repository, model_dir
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Server:
-    root = tmp_path_factory.mktemp("server")
+def start_test_server(root: Path, fault_injection: str) -> Server:
+    """tritonserver on free ports over the default model (or a tiny one), its log in `root`."""
     if (DEFAULT_MODEL / "config.json").exists():
         repository, model_dir = DEFAULT_MODEL_REPOSITORY, DEFAULT_MODEL
     else:
@@ -104,9 +105,16 @@ def server(tmp_path_factory) -> Server:
         metrics_port=_free_port(),
         log_file=root / "tritonserver.log",
         ready_timeout=600,
+        extra_env={"SPECSERVE_FAULT_INJECTION": fault_injection},
     )
-    yield Server(handle, model_dir)
-    handle.stop()
+    return Server(handle, model_dir)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    server = start_test_server(tmp_path_factory.mktemp("server"), f"seed={FAULT_SEED}")
+    yield server
+    server.handle.stop()
 
 
 @pytest.fixture(scope="session")
