@@ -13,6 +13,9 @@ A cancelled client request (checked between responses, and by the watcher thread
 is awaited) gets an abort sent to llm_engine, which frees its KV blocks at once. The worker then
 drains the engine stream without relaying it and ends the client request with an empty final
 response. Every request ends with exactly one COMPLETE_FINAL.
+
+At most ENGINE_CALLS_AWAITING_FIRST_RESPONSE workers wait in step 2 at once (see there); the others
+wait their turn here, in arrival order, and can be cancelled while they wait.
 """
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ import os
 import sys
 import threading
 import time
+import traceback
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +53,7 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from preprocessor import Preprocessor  # noqa: E402
 
-from backend.errors import ValidationError  # noqa: E402
+from backend.errors import INTERNAL_ERROR, ValidationError  # noqa: E402
 
 ENGINE_MODEL = "llm_engine"
 ENGINE_OUTPUTS = [
@@ -58,6 +63,14 @@ ENGINE_OUTPUTS = [
 POLL_INTERVAL_S = 0.05
 # How long finalize() waits for each worker; llm_engine ends the requests still in flight.
 FINALIZE_TIMEOUT_S = 30.0
+# The python backend runs every BLS exec() of this model on a thread pool in the server process
+# (the backend option thread-pool-size, default 32), which also carries every response this model
+# sends to its clients. With decoupled=True, exec() holds its pool thread until the engine's first
+# response, which for a request queued in the engine (past max_num_seqs) comes only when a running
+# request finishes. With 32 requests so queued, no client got a response until then. So at most
+# this many exec() calls wait at once, leaving the rest of the pool for responses and aborts; keep
+# it well below thread-pool-size.
+ENGINE_CALLS_AWAITING_FIRST_RESPONSE = 16
 
 
 @dataclass(slots=True)
@@ -92,6 +105,7 @@ class TritonPythonModel:
         self.relays: dict[str, Relay] = {}  # engine request id -> relay, until its worker ends
         self.workers: set[threading.Thread] = set()
         self.stopping = threading.Event()
+        self.engine_calls = Turnstile(ENGINE_CALLS_AWAITING_FIRST_RESPONSE)
         self.watcher = threading.Thread(target=self._watch, name="llm-watcher", daemon=True)
         self.watcher.start()
         pb_utils.Logger.log_info(
@@ -122,8 +136,9 @@ class TritonPythonModel:
         try:
             self._generate(relay, inputs)
         except Exception as e:  # the request must still end, or its client waits forever
-            pb_utils.Logger.log_error(f"llm: request {relay.engine_request_id}: {e!r}")
-            self._finish(relay, _error_response(f"internal error in llm: {e}"))
+            detail = "".join(traceback.format_exception(e))
+            pb_utils.Logger.log_error(f"llm: request {relay.engine_request_id}: {detail}")
+            self._finish(relay, _error_response(INTERNAL_ERROR))
             self._abort(relay)  # the engine request, if any, has no one to relay it now
         finally:
             with self.lock:
@@ -140,17 +155,30 @@ class TritonPythonModel:
         keep_finish_reason = request.options.return_finish_reason
         request.options.return_finish_reason = True  # a finish reason marks the last response
         self._check_cancelled(relay)
-        if not relay.aborted:
-            engine_request = pb_utils.InferenceRequest(
-                model_name=ENGINE_MODEL,
-                inputs=[pb_utils.Tensor(n, a) for n, a in request.engine_inputs().items()],
-                requested_output_names=ENGINE_OUTPUTS,
-                request_id=relay.engine_request_id,
-            )
-            for response in engine_request.exec(decoupled=True):
+        engine_request = pb_utils.InferenceRequest(
+            model_name=ENGINE_MODEL,
+            inputs=[pb_utils.Tensor(n, a) for n, a in request.engine_inputs().items()],
+            requested_output_names=ENGINE_OUTPUTS,
+            request_id=relay.engine_request_id,
+        )
+        if self._wait_for_turn(relay):
+            try:
+                responses = engine_request.exec(decoupled=True)  # returns at the first response
+            finally:
+                self.engine_calls.leave()
+            for response in responses:
                 self._check_cancelled(relay)
                 self._relay(relay, response, keep_finish_reason)
         self._finish(relay)  # no-op if the engine's last response was relayed
+
+    def _wait_for_turn(self, relay: Relay) -> bool:
+        """Enter self.engine_calls (True), or give up: the request was cancelled (False; the
+        caller ends it) or the model is being unloaded (False, and the request ends here)."""
+        if self.engine_calls.enter(lambda: relay.aborted or self.stopping.is_set()):
+            return True
+        if not relay.aborted:
+            self._finish(relay, _shutting_down())
+        return False
 
     def _relay(self, relay: Relay, response, keep_finish_reason: bool) -> None:
         if relay.aborted or relay.finished:
@@ -232,8 +260,37 @@ class TritonPythonModel:
         with self.lock:
             relays = list(self.relays.values())
         for relay in relays:
-            error = _error_response("the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
-            self._finish(relay, error)
+            self._finish(relay, _shutting_down())
+
+
+class Turnstile:
+    """At most `limit` threads inside at once, let in in arrival order. A waiting thread checks
+    `give_up()` every POLL_INTERVAL_S and leaves the queue when it returns true."""
+
+    def __init__(self, limit: int):
+        self.free = limit
+        self.queue: deque = deque()  # one ticket per waiting thread, oldest first
+        self.changed = threading.Condition()
+
+    def enter(self, give_up) -> bool:
+        ticket = object()
+        with self.changed:
+            self.queue.append(ticket)
+            try:
+                while self.queue[0] is not ticket or self.free == 0:
+                    if give_up():
+                        return False
+                    self.changed.wait(POLL_INTERVAL_S)
+                self.free -= 1
+                return True
+            finally:
+                self.queue.remove(ticket)
+                self.changed.notify_all()  # the next in line may go
+
+    def leave(self) -> None:
+        with self.changed:
+            self.free += 1
+            self.changed.notify_all()
 
 
 def _text(tensors: list, name: str) -> str:
@@ -247,3 +304,7 @@ def _text(tensors: list, name: str) -> str:
 def _error_response(message: str, code=None):
     code = pb_utils.TritonError.INTERNAL if code is None else code
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def _shutting_down():
+    return _error_response("the server is shutting down", pb_utils.TritonError.UNAVAILABLE)

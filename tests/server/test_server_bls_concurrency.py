@@ -1,0 +1,153 @@
+"""llm_bls under more concurrent streams than the engine runs at once plus the python backend's
+thread pool (thread-pool-size, default 32): the streams the engine runs are relayed as they go.
+
+Each of llm_bls's BLS calls to llm_engine holds a thread of that pool until the engine's first
+response, and the same pool carries llm_bls's responses to its clients. Unbounded, the requests
+queued in the engine took the whole pool and no client got a response until a running request
+ended. The checks below are orderings, not timings: did the streams get responses before the
+engine finished any request?
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from backend.launcher import DEFAULT_MODEL_REPOSITORY
+from client.stream import generate
+
+pytestmark = pytest.mark.server
+
+PYTHON_BACKEND_THREAD_POOL_SIZE = 32  # the python backend's default thread-pool-size
+MAX_TOKENS = 64
+LENGTH = 'specserve_request_success_total{finish_reason="length"}'
+
+
+def _max_num_seqs() -> int:
+    config = (DEFAULT_MODEL_REPOSITORY / "llm_engine" / "config.pbtxt").read_text()
+    return int(re.search(r'key: "max_num_seqs", value: \{ string_value: "(\d+)" \}', config)[1])
+
+
+def _idle(samples: dict[str, float]) -> bool:
+    return (
+        samples["specserve_num_requests_running"] == 0
+        and samples["specserve_kv_cache_free_blocks"] == samples["specserve_kv_cache_total_blocks"]
+    )
+
+
+class Stream:
+    """One llm_bls request on its own gRPC stream; records when its responses arrive."""
+
+    def __init__(self, url: str, index: int):
+        self.first: float | None = None  # time.monotonic() of the first response
+        self.final: float | None = None  # ... and of the final one
+        self.error = None
+        self.done = threading.Event()
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=self._on_response)
+        prompt = np.array([f"def f{index}(x):".encode()], dtype=np.object_)
+        self.inputs = [
+            _tensor("text_input", prompt, "BYTES"),
+            _tensor("stream", np.array([True]), "BOOL"),
+            _tensor("max_tokens", np.array([MAX_TOKENS], dtype=np.int32), "INT32"),
+            _tensor("ignore_eos", np.array([True]), "BOOL"),
+            _tensor("temperature", np.array([0.0], dtype=np.float32), "FP32"),
+        ]
+
+    def start(self) -> None:
+        self.client.async_stream_infer("llm_bls", self.inputs, enable_empty_final_response=True)
+
+    def _on_response(self, result, error) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        if error is not None:
+            self.error = error
+        if error is not None or _is_final(result):
+            self.final = now
+            self.done.set()
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def _is_final(result) -> bool:
+    return result.get_response().parameters["triton_final_response"].bool_param
+
+
+def _tensor(name, array, datatype):
+    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _open_streams(server, count: int) -> list[Stream]:
+    streams = [Stream(server.grpc_url, i) for i in range(count)]
+    for stream in streams:
+        stream.start()
+    return streams
+
+
+def _first_engine_request_done(server, stop: threading.Event) -> list[float]:
+    """Starts a thread that notes (in the list it returns) the time.monotonic() at which the
+    engine's count of requests finished by length first grows."""
+    before = server.metrics()[LENGTH]
+    noted: list[float] = []
+
+    def watch():
+        while not stop.is_set() and not noted:
+            if server.metrics()[LENGTH] > before:
+                noted.append(time.monotonic())
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return noted
+
+
+def test_streams_past_the_thread_pool_are_relayed_as_they_go(server):
+    max_num_seqs = _max_num_seqs()
+    server.wait_for_metrics(_idle)
+    stop = threading.Event()
+    engine_done = _first_engine_request_done(server, stop)
+    streams = _open_streams(server, max_num_seqs + PYTHON_BACKEND_THREAD_POOL_SIZE + 8)
+    try:
+        for stream in streams:
+            assert stream.done.wait(120), "a stream got no final response"
+    finally:
+        stop.set()
+        for stream in streams:
+            stream.close()
+    assert [s.error for s in streams if s.error is not None] == []
+    assert engine_done, "the engine finished no request (or its metric did not say so)"
+    relayed_early = sum(s.first < engine_done[0] for s in streams)
+    # The engine runs max_num_seqs requests at once, each relayed from its first step on (all 64
+    # were here). Unbounded, only those relayed before the pool filled up were (20 to 24 of 104).
+    assert relayed_early >= max_num_seqs * 3 // 4, (
+        f"{relayed_early} of {len(streams)} streams had a response before the engine finished "
+        "its first request"
+    )
+
+
+def test_cancelling_streams_that_wait_for_their_turn_ends_them(server):
+    """Streams cancelled while llm_bls holds them back (not yet sent to the engine) end, and
+    the engine is left idle."""
+    max_num_seqs = _max_num_seqs()
+    server.wait_for_metrics(_idle)
+    streams = _open_streams(server, max_num_seqs + PYTHON_BACKEND_THREAD_POOL_SIZE + 8)
+    deadline = time.monotonic() + 120
+    while not any(s.first for s in streams) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for stream in streams:
+        stream.close(cancel=True)
+    assert _idle(server.wait_for_metrics(_idle, timeout=60))
+    # every place in llm_bls's queue was given back: a new request goes through
+    chunks = generate(
+        server.grpc_url, "def main():", model="llm_bls", max_tokens=4, temperature=0,
+        ignore_eos=True, return_finish_reason=True, timeout=60,
+    )
+    assert list(chunks)[-1].finish_reason == "length"
