@@ -1,10 +1,13 @@
 """llm_engine: a decoupled Python backend model, a thin adapter around backend.EngineLoop.
 
 `execute()` hands each request to the engine thread and returns None at once. The engine thread
-calls back with every RequestOutput; those go through a queue to one sender thread, which sends
-the responses (a text delta per output when streaming, one response otherwise), polls
-`is_cancelled()` (a few requests per poll, in turn) and aborts cancelled requests in the engine. Every request ends with exactly one
-response flagged COMPLETE_FINAL, errors and cancellations included.
+calls back with every RequestOutput; those go through a queue to the dispatcher thread, which
+builds the responses (a text delta per output when streaming, one response otherwise) and hands
+them to the request's sender lane (sender_lane.py: a send to a stuck receiver blocks only its lane,
+and a lane stuck for SEND_TIMEOUT_S is replaced, its stuck request abandoned and aborted). The
+dispatcher also polls `is_cancelled()` (a few requests per poll, in turn) and aborts cancelled
+requests in the engine. Every request ends with exactly one response flagged COMPLETE_FINAL,
+errors and cancellations included (an abandoned request's receiver cannot take it).
 
 A request carrying `abort_request_id` is a control request: it aborts the requests in flight that
 were sent with that Triton request id (the engine frees their KV blocks at once) and gets one
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import itertools
 import queue
 import sys
 import threading
@@ -40,6 +44,7 @@ _extend_sys_path()
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from metrics import EngineMetrics  # noqa: E402
+from sender_lane import PendingSend, SenderLane  # noqa: E402
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
@@ -58,6 +63,10 @@ CANCEL_CHECKS_PER_POLL = 16
 # An abort can overtake the request it names (the two travel through tritonserver separately);
 # for this long, a request arriving with an aborted id that matched nothing is aborted on arrival.
 EARLY_ABORT_MEMORY_S = 10.0
+# Sends are spread over this many lanes; a send that has waited SEND_TIMEOUT_S (a healthy one takes
+# well under a millisecond) marks its receiver stuck: its lane is replaced, its request abandoned.
+NUM_SENDER_LANES = 4
+SEND_TIMEOUT_S = 10.0
 _STOP = object()
 # request_options keys (preprocessing's RequestOptions): each a boolean
 REQUEST_OPTIONS = (
@@ -68,7 +77,9 @@ REQUEST_OPTIONS = (
 
 @dataclass(slots=True)
 class RequestState:
+    request_id: str  # the engine's id
     sender: object  # pb_utils.InferenceResponseSender
+    lane: int  # index of the sender lane that sends its responses
     triton_request_id: str  # the id the client gave the request ("" if none), for abort_request_id
     options: dict  # stream, exclude_input_in_output, return_* flags (see preprocessing)
     prompt_text: str
@@ -78,6 +89,7 @@ class RequestState:
     text: list[str] = field(default_factory=list)  # not streaming: the completion so far
     logprobs: list[dict] = field(default_factory=list)  # not sent yet
     echo_pending: bool = False  # the prompt still has to precede the next text
+    abandoned: bool = False  # its receiver is stuck: nothing more is sent
 
 
 class TritonPythonModel:
@@ -105,7 +117,9 @@ class TritonPythonModel:
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # (time, RequestOutput) or _STOP
         self.cancel_cursor = 0  # where the next cancellation poll starts in self.requests
         self.loop.start()
-        self.sender = threading.Thread(target=self._send_loop, name="specserve-sender", daemon=True)
+        self.lanes = [SenderLane(f"specserve-sender-{i}", self._send_failed) for i in range(NUM_SENDER_LANES)]
+        self.next_lane = itertools.count()  # execute()'s thread only
+        self.sender = threading.Thread(target=self._send_loop, name="specserve-dispatcher", daemon=True)
         self.sender.start()
         pb_utils.Logger.log_info(
             f"llm_engine: ready, max_model_len {self.loop.engine.max_model_len}, "
@@ -145,7 +159,8 @@ class TritonPythonModel:
             if self.loop.dead:
                 raise EngineDeadError(ENGINE_DEAD)
             prompt_ids, params, options, prompt_text = _engine_request(request)
-            state = RequestState(sender, triton_request_id, options, prompt_text, arrival)
+            lane = next(self.next_lane) % NUM_SENDER_LANES
+            state = RequestState(request_id, sender, lane, triton_request_id, options, prompt_text, arrival)
             state.echo_pending = not options.get("exclude_input_in_output", True)
             self.requests[request_id] = state  # before submit: outputs may come back at once
             self.loop.submit(prompt_ids, params, self._on_output, request_id)
@@ -197,10 +212,39 @@ class TritonPythonModel:
                     next_poll = now + POLL_INTERVAL_S
                     self._check_cancelled()
                     self.metrics.refresh(self.loop.engine.stats())
+                    self._replace_stuck_lanes(now)
                     if self.loop.dead and not self.unloading:
                         self._unload()
             except Exception as e:
                 pb_utils.Logger.log_error(f"llm_engine: sender: {_traceback(e)}")
+
+    def _replace_stuck_lanes(self, now: float) -> None:
+        """A lane whose send has waited SEND_TIMEOUT_S: its request is abandoned (aborted in the
+        engine, nothing more sent), its other requests go on in a fresh lane."""
+        for i, lane in enumerate(self.lanes):
+            stuck = lane.stuck(now, SEND_TIMEOUT_S)
+            if stuck is None:
+                continue
+            state = stuck.state
+            pb_utils.Logger.log_error(
+                f"llm_engine: a response to request {state.request_id} has waited {SEND_TIMEOUT_S:.0f} s "
+                "for its receiver; abandoning that request"
+            )
+            state.abandoned = True
+            self.loop.abort(state.request_id)
+            self.lanes[i] = lane.hand_over()
+
+    def _send(self, state: RequestState, response=None, flags: int = 0) -> None:
+        self.lanes[state.lane].put(PendingSend(state, response, flags))
+
+    def _send_failed(self, item: PendingSend, error: Exception) -> None:
+        """On a lane's thread: a send raised. A final response must still end the request."""
+        pb_utils.Logger.log_warn(f"llm_engine: sending a response failed: {_traceback(error)}")
+        if item.flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            try:
+                _send_error(item.state.sender, INTERNAL_ERROR)
+            except Exception:
+                pass  # the client is gone
 
     def _unload(self) -> None:
         """The engine died: have Triton unload this model, so that it reports not ready (as
@@ -222,8 +266,8 @@ class TritonPythonModel:
         turn = (request_ids[start:] + request_ids[:start])[:CANCEL_CHECKS_PER_POLL]
         self.cancel_cursor = start + len(turn)
         for request_id in turn:
-            state = self.requests[request_id]
-            if not state.cancelled and state.sender.is_cancelled():
+            state = self.requests.get(request_id)
+            if state is not None and not state.cancelled and state.sender.is_cancelled():
                 state.cancelled = True
                 self.loop.abort(request_id)  # the engine frees the blocks and sends a final output
 
@@ -242,12 +286,9 @@ class TritonPythonModel:
         try:
             self._respond(state, output)
         except Exception as e:
-            pb_utils.Logger.log_warn(f"llm_engine: sending a response failed: {_traceback(e)}")
+            pb_utils.Logger.log_warn(f"llm_engine: building a response failed: {_traceback(e)}")
             if output.finished:  # the request must still end, or its client waits forever
-                try:
-                    _send_error(state.sender, INTERNAL_ERROR)
-                except Exception:
-                    pass  # the client is gone
+                self._send(state, _error_response(INTERNAL_ERROR), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _observe_latency(self, state: RequestState, now: float, num_new_tokens: int) -> None:
         if state.last_token_time is None:
@@ -264,19 +305,19 @@ class TritonPythonModel:
         if output.finished and output.finish_reason == "error":
             dead = output.error == ENGINE_DEAD
             code = pb_utils.TritonError.UNAVAILABLE if dead else None
-            _send_error(state.sender, output.error or INTERNAL_ERROR, code)
+            self._send(state, _error_response(output.error or INTERNAL_ERROR, code), final)
             return
         if output.finished and state.cancelled:
-            state.sender.send(flags=final)
+            self._send(state, flags=final)
             return
         if not state.options.get("stream", False):
             state.text.append(output.text)
             if output.finished:
-                state.sender.send(self._response(state, "".join(state.text), output), flags=final)
+                self._send(state, self._response(state, "".join(state.text), output), final)
             return
         if output.text or output.finished:
             flags = final if output.finished else 0
-            state.sender.send(self._response(state, output.text, output), flags=flags)
+            self._send(state, self._response(state, output.text, output), flags)
 
     def _response(self, state: RequestState, text: str, output: RequestOutput):
         if state.echo_pending:
@@ -299,8 +340,11 @@ class TritonPythonModel:
         self.loop.shutdown()
         self.outputs.put(_STOP)
         self.sender.join(timeout=30)
+        for lane in self.lanes:  # their queued sends first
+            lane.stop(timeout=10)
         for state in self.requests.values():
-            _send_error(state.sender, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+            if not state.abandoned:
+                _send_error(state.sender, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
         self.requests.clear()
 
 
@@ -371,7 +415,10 @@ def _uint32_tensor(name: str, value: int):
     return pb_utils.Tensor(name, np.array([value], dtype=np.uint32))
 
 
-def _send_error(sender, message: str, code=None) -> None:
+def _error_response(message: str, code=None):
     code = pb_utils.TritonError.INTERNAL if code is None else code
-    response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
-    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def _send_error(sender, message: str, code=None) -> None:
+    sender.send(_error_response(message, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
