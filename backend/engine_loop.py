@@ -90,15 +90,15 @@ class EngineLoop:
             if item[0] == "add":
                 _, request_id, prompt_ids, params, on_output = item
                 self._callbacks[request_id] = on_output
-                try:
+                try:  # an error ends just this request
                     if self.dead:
                         raise EngineDeadError(ENGINE_DEAD)
                     self.engine.add_request(prompt_ids, params, request_id)
-                except Exception as e:  # e.g. a duplicate id: end just this request
-                    if not isinstance(e, (ValidationError, EngineDeadError)):
-                        log.exception("adding request %s failed", request_id)
-                    message = str(e) if isinstance(e, (ValidationError, EngineDeadError)) else INTERNAL_ERROR
-                    self._deliver(RequestOutput(request_id, "", [], True, "error", error=message))
+                except (ValidationError, EngineDeadError) as e:  # e.g. a duplicate id
+                    self._deliver(RequestOutput(request_id, "", [], True, "error", error=str(e)))
+                except Exception:
+                    log.exception("adding request %s failed", request_id)
+                    self._deliver(RequestOutput(request_id, "", [], True, "error", error=INTERNAL_ERROR))
             else:
                 output = self.engine.abort(item[1])
                 if output is not None:

@@ -24,13 +24,18 @@ class ValidationError(ValueError):
         self.field = field
 
 
+def abbreviate(value: object, limit: int = 40) -> str:
+    """A value as an error message quotes it: its repr, cut short, whatever the client sent."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class EngineDeadError(RuntimeError):
     """The engine can take no more requests (after a fatal fault)."""
 
 
 class FatalEngineError(RuntimeError):
     """A fault after which no step can be trusted (what a CUDA error is)."""
-
 
 
 def is_fatal(error: BaseException) -> bool:

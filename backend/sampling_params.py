@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.errors import ValidationError
+from backend.errors import ValidationError, abbreviate
 
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
@@ -70,7 +70,7 @@ class SamplingParams:
             _check_int("stop_token_ids", t, 0, INT32_MAX)
         for name in ("ignore_eos", "speculative"):
             if not isinstance(getattr(self, name), bool):
-                raise ValidationError(name, f"must be a boolean, got {_show(getattr(self, name))}")
+                raise ValidationError(name, f"must be a boolean, got {abbreviate(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
@@ -95,17 +95,11 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
 
-def _show(value: Any, limit: int = 40) -> str:
-    """A value as the error message quotes it: short, whatever the client sent."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _check_int(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(name, f"must be an integer in [{low}, {high}], got {_show(value)}")
+        raise ValidationError(name, f"must be an integer in [{low}, {high}], got {abbreviate(value)}")
     if not low <= value <= high:
-        raise ValidationError(name, f"must be in [{low}, {high}], got {_show(value)}")
+        raise ValidationError(name, f"must be in [{low}, {high}], got {abbreviate(value)}")
     return value
 
 
@@ -113,20 +107,20 @@ def _check_float(name: str, value: Any, low: float, high: float | None, low_open
     lo = "(" if low_open else "["
     allowed = f"{lo}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValidationError(name, f"must be a number {'in ' if high is not None else ''}{allowed}, got {_show(value)}")
+        raise ValidationError(name, f"must be a number {'in ' if high is not None else ''}{allowed}, got {abbreviate(value)}")
     try:
         value = float(value)
     except OverflowError:  # an integer beyond float range
-        raise ValidationError(name, f"must be in {allowed}, got {_show(value)}") from None
+        raise ValidationError(name, f"must be in {allowed}, got {abbreviate(value)}") from None
     too_low = value <= low if low_open else value < low
     if math.isnan(value) or math.isinf(value) or too_low or (high is not None and value > high):
-        raise ValidationError(name, f"must be in {allowed}, got {_show(value)}")
+        raise ValidationError(name, f"must be in {allowed}, got {abbreviate(value)}")
     return value
 
 
 def _check_list(name: str, value: Any, max_len: int) -> list:
     if not isinstance(value, (list, tuple)):
-        raise ValidationError(name, f"must be a list (at most {max_len} items), got {_show(value)}")
+        raise ValidationError(name, f"must be a list (at most {max_len} items), got {abbreviate(value)}")
     if len(value) > max_len:
         raise ValidationError(name, f"must hold at most {max_len} items, got {len(value)}")
     return list(value)
@@ -137,6 +131,6 @@ def _check_stop(value: Any) -> list[str]:
     for s in stop:
         if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
             raise ValidationError(
-                "stop", f"must be a list of strings of 1 to {MAX_STOP_STRING_CHARS} characters, got {_show(s)}"
+                "stop", f"must be a list of strings of 1 to {MAX_STOP_STRING_CHARS} characters, got {abbreviate(s)}"
             )
     return stop

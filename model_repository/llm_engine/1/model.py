@@ -16,9 +16,9 @@ be cancelled in tritonserver 2.51.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import itertools
 import queue
 import sys
 import threading
@@ -131,12 +131,9 @@ class TritonPythonModel:
         for request in requests:
             try:
                 self._submit(request)
-            except ValidationError as e:  # a malformed abort_request_id
-                _send_error(request.get_response_sender(), str(e), pb_utils.TritonError.INVALID_ARG)
-            except Exception as e:  # _submit answers every problem it expects; this is a bug
-                pb_utils.Logger.log_error(f"llm_engine: taking a request failed: {_traceback(e)}")
+            except Exception as e:  # a malformed abort_request_id, or a bug
                 try:
-                    _send_error(request.get_response_sender(), INTERNAL_ERROR)
+                    _refuse(request.get_response_sender(), e)
                 except Exception:
                     pass  # it was answered already
         return None
@@ -156,24 +153,15 @@ class TritonPythonModel:
             return
         request_id = uuid.uuid4().hex
         try:
-            if self.loop.dead:
-                raise EngineDeadError(ENGINE_DEAD)
             prompt_ids, params, options, prompt_text = _engine_request(request)
             lane = next(self.next_lane) % NUM_SENDER_LANES
             state = RequestState(request_id, sender, lane, triton_request_id, options, prompt_text, arrival)
             state.echo_pending = not options.get("exclude_input_in_output", True)
             self.requests[request_id] = state  # before submit: outputs may come back at once
             self.loop.submit(prompt_ids, params, self._on_output, request_id)
-        except ValidationError as e:
-            self.requests.pop(request_id, None)
-            _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
-        except EngineDeadError as e:
-            self.requests.pop(request_id, None)
-            _send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
         except Exception as e:
             self.requests.pop(request_id, None)
-            pb_utils.Logger.log_error(f"llm_engine: taking a request failed: {_traceback(e)}")
-            _send_error(sender, INTERNAL_ERROR)
+            _refuse(sender, e)
 
     def _abort_by_triton_id(self, triton_request_id: str) -> None:
         """Abort every request in flight sent with this Triton request id. The engine ends each
@@ -413,6 +401,18 @@ def _bytes_tensor(name: str, text: str):
 
 def _uint32_tensor(name: str, value: int):
     return pb_utils.Tensor(name, np.array([value], dtype=np.uint32))
+
+
+def _refuse(sender, error: Exception) -> None:
+    """End a request that was not taken: INVALID_ARG naming the field, UNAVAILABLE when the
+    engine is dead, else INTERNAL_ERROR (the detail goes to the log)."""
+    if isinstance(error, ValidationError):
+        _send_error(sender, str(error), pb_utils.TritonError.INVALID_ARG)
+    elif isinstance(error, EngineDeadError):
+        _send_error(sender, str(error), pb_utils.TritonError.UNAVAILABLE)
+    else:
+        pb_utils.Logger.log_error(f"llm_engine: taking a request failed: {_traceback(error)}")
+        _send_error(sender, INTERNAL_ERROR)
 
 
 def _error_response(message: str, code=None):

@@ -3,7 +3,7 @@
 Plain Python (no Triton imports), so the rules can be tested on their own. Inputs arrive as a
 dict of name -> numpy array (what the request carried); every problem is a ValidationError that
 names the input and what is allowed. The work per request is bounded before it is done: a prompt
-longer than `max_prompt_bytes` is refused unread, and JSON is parsed only within a size and a
+longer than `max_prompt_bytes` is refused before it is tokenized, and JSON is parsed only within a size and a
 nesting depth (a deeply nested document would otherwise exhaust Python's recursion limit).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from backend.errors import ValidationError
+from backend.errors import ValidationError, abbreviate
 from backend.sampling_params import SamplingParams
 
 # Single inputs that map one-to-one onto SamplingParams fields.
@@ -49,7 +49,7 @@ class RequestOptions:
     def __post_init__(self) -> None:
         for f in fields(self):
             if not isinstance(getattr(self, f.name), bool):
-                raise ValidationError(f.name, f"must be a boolean, got {_show(getattr(self, f.name))}")
+                raise ValidationError(f.name, f"must be a boolean, got {abbreviate(getattr(self, f.name))}")
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
@@ -86,7 +86,7 @@ def parse_request(inputs: dict[str, np.ndarray], render_chat, max_prompt_bytes: 
         if name in values and not _same(values[name], value):
             raise ValidationError(
                 name,
-                f"given as an input ({_show(value)}) and in sampling_parameters ({_show(values[name])}) "
+                f"given as an input ({abbreviate(value)}) and in sampling_parameters ({abbreviate(values[name])}) "
                 "with different values; give it once",
             )
         values[name] = value
@@ -148,7 +148,7 @@ def _sampling_parameters(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
     if unknown:
         raise ValidationError(
             "sampling_parameters",
-            f"unknown key {_show(unknown[0])}; allowed: {', '.join(SAMPLING_PARAMETER_KEYS)}",
+            f"unknown key {abbreviate(unknown[0])}; allowed: {', '.join(SAMPLING_PARAMETER_KEYS)}",
         )
     return {k: _coerce(k, v) for k, v in values.items()}
 
@@ -206,11 +206,6 @@ def _json_depth(text: str) -> int:
         elif ch in "]}":
             depth -= 1
     return deepest
-
-
-def _show(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _single_input(name: str, array: np.ndarray) -> Any:
