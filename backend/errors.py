@@ -10,6 +10,8 @@ import sys
 
 INTERNAL_ERROR = "internal error (see server log)"
 ENGINE_DEAD = "the engine has failed and is unavailable (see server log)"
+SHUTTING_DOWN = "the server is shutting down"
+UNAVAILABLE_ERRORS = (ENGINE_DEAD, SHUTTING_DOWN)  # Triton UNAVAILABLE; the others are INTERNAL
 
 
 class ValidationError(ValueError):

@@ -38,18 +38,24 @@ def _run(server, request: dict) -> str:
     return complete(server.grpc_url, request.pop("prompt"), stream=True, timeout=120, **request).text
 
 
-def _faulty(server) -> str:
+def _faulty(server, model: str = "llm") -> str:
     try:
-        complete(server.grpc_url, "import os", stream=True, max_tokens=64, seed=FAULT_SEED, ignore_eos=True, timeout=120)
+        complete(
+            server.grpc_url, "import os", model=model, stream=True, max_tokens=64, seed=FAULT_SEED,
+            ignore_eos=True, timeout=120,
+        )
     except GenerationError as e:
         return str(e)
     return "completed"
 
 
-def test_a_faulting_request_fails_alone(server):
+@pytest.mark.parametrize("model", ["llm", "llm_bls"])
+def test_a_faulting_request_fails_alone(server, model):
+    """Through llm_bls too, whose BLS stream would never end on an error response that follows
+    another response: llm_engine sends it the error in band."""
     solo = [_run(server, r) for r in _streams()]
     with ThreadPoolExecutor(16) as pool:
-        fault = pool.submit(_faulty, server)
+        fault = pool.submit(_faulty, server, model)
         together = list(pool.map(lambda r: _run(server, r), _streams()))
     assert fault.result() == INTERNAL_ERROR
     assert together == solo
@@ -76,7 +82,8 @@ def test_a_fatal_fault_ends_everything_and_the_engine_reports_not_ready(doomed_s
     assert _model_ready(server, "llm_engine")
     long = dict(prompt="class Parser:", max_tokens=1000, temperature=0.0, ignore_eos=True)
     with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(_run, server, long) for _ in range(3)]
+        running = [pool.submit(_run, server, long) for _ in range(2)]
+        running.append(pool.submit(_run, server, long | {"model": "llm_bls"}))
         fault = pool.submit(_faulty, server)
         assert ENGINE_DEAD in fault.result()
         for future in running:

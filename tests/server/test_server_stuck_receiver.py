@@ -6,8 +6,9 @@ until the server has handed the response to its receiver. When the receiver is a
 queue and waits until that stub has taken it. Here llm_bls's stub process is frozen (SIGSTOP) in
 the middle of a long stream; healthy clients of the `llm` ensemble must still get their streams
 meanwhile, and once the stub runs again (SIGCONT) the llm_bls stream must end (however the
-server chose to end it) and the engine come back to idle with every KV block free. The stub is
-frozen, so this test has a server of its own.
+server chose to end it) and the engine come back to idle with every KV block free. Once briefly,
+once for longer than llm_engine waits on one send before it gives that receiver up. The stub is
+frozen, so these tests have a server of their own.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import psutil
 import pytest
 
+from backend.errors import INTERNAL_ERROR
 from client.stream import GenerationError, generate
 from tests.server.conftest import start_test_server
 
@@ -29,6 +31,7 @@ BLS_RESPONSE_TIMEOUT_S = 30.0  # once the stub runs again, each llm_bls response
 HEALTHY_MAX_TOKENS = 32
 # what a healthy request may take while llm_bls is frozen; alone it takes well under 2 s
 HEALTHY_BOUND_S = 30.0
+LONG_FREEZE_S = 13.0  # past llm_engine's SEND_TIMEOUT_S (10 s)
 
 
 def _idle(samples: dict[str, float]) -> bool:
@@ -155,3 +158,27 @@ def test_a_frozen_bls_receiver_stalls_no_other_stream(stuck_server):
     assert _idle(after), after
     assert server.handle.is_ready()
     assert stub.is_running() and stub.status() != psutil.STATUS_STOPPED  # the same stub, running
+
+
+def test_a_receiver_frozen_for_long_still_has_its_stream_ended(stuck_server):
+    """Frozen for longer than llm_engine waits on one send (SEND_TIMEOUT_S, 10 s), beside several
+    healthy streams (one of them shares the frozen request's sender lane until the lane is
+    replaced): every healthy stream ends in time, and once the stub runs again the llm_bls stream
+    ends too, with an internal error (the engine gave it up)."""
+    server = stuck_server
+    server.wait_for_metrics(_idle)
+    bls = _bls_stream_started(server)
+    try:
+        stub = _stub_process(server, "llm_bls")
+        took = _healthy_requests_while_frozen(server, stub, 4, hold_s=LONG_FREEZE_S)
+        assert max(took) < HEALTHY_BOUND_S
+        ending = _ending(bls)
+        _assert_ended(ending)
+        assert ending == f"error: {INTERNAL_ERROR}"
+    finally:
+        bls.close()
+    after = server.wait_for_metrics(_idle, timeout=60)
+    assert _idle(after), after
+    took, tokens = _healthy_request(server)
+    assert tokens == HEALTHY_MAX_TOKENS
+    assert stub.is_running() and stub.status() != psutil.STATUS_STOPPED

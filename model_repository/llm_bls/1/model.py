@@ -53,11 +53,11 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from preprocessor import Preprocessor  # noqa: E402
 
-from backend.errors import INTERNAL_ERROR, ValidationError  # noqa: E402
+from backend.errors import INTERNAL_ERROR, SHUTTING_DOWN, UNAVAILABLE_ERRORS, ValidationError  # noqa: E402
 
 ENGINE_MODEL = "llm_engine"
 ENGINE_OUTPUTS = [
-    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs"
+    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs", "error"
 ]
 # How often each request is checked for cancellation (a round trip to the server each).
 POLL_INTERVAL_S = 0.05
@@ -157,7 +157,9 @@ class TritonPythonModel:
         self._check_cancelled(relay)
         engine_request = pb_utils.InferenceRequest(
             model_name=ENGINE_MODEL,
-            inputs=[pb_utils.Tensor(n, a) for n, a in request.engine_inputs().items()],
+            # errors in band: the python backend never hands this model an error response that
+            # follows another response from llm_engine (the stream would never end)
+            inputs=[pb_utils.Tensor(n, a) for n, a in request.engine_inputs(in_band_errors=True).items()],
             requested_output_names=ENGINE_OUTPUTS,
             request_id=relay.engine_request_id,
         )
@@ -189,6 +191,11 @@ class TritonPythonModel:
         tensors = response.output_tensors()
         if not tensors:
             return  # the engine's empty final response
+        error = _text(tensors, "error")
+        if error:
+            code = pb_utils.TritonError.UNAVAILABLE if error in UNAVAILABLE_ERRORS else None
+            self._finish(relay, _error_response(error, code))
+            return
         last = _text(tensors, "finish_reason") != ""
         if not keep_finish_reason:
             tensors = [t for t in tensors if t.name() != "finish_reason"]
@@ -307,4 +314,4 @@ def _error_response(message: str, code=None):
 
 
 def _shutting_down():
-    return _error_response("the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+    return _error_response(SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)

@@ -9,6 +9,11 @@ dispatcher also polls `is_cancelled()` (a few requests per poll, in turn) and ab
 requests in the engine. Every request ends with exactly one response flagged COMPLETE_FINAL,
 errors and cancellations included (an abandoned request's receiver cannot take it).
 
+A request whose request_options set `in_band_errors` (llm_bls sets it) gets an error that ends it
+after its first response as a last response with finish_reason "error" and an `error` output:
+tritonserver 2.51's python backend never hands a BLS caller an error response that follows another
+response (the caller waits for ever). An error as the first response reaches it.
+
 A request carrying `abort_request_id` is a control request: it aborts the requests in flight that
 were sent with that Triton request id (the engine frees their KV blocks at once) and gets one
 empty final response. This is how `llm` cancels the request it forwarded: a BLS request cannot
@@ -49,7 +54,13 @@ from sender_lane import PendingSend, SenderLane  # noqa: E402
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.engine_loop import EngineLoop  # noqa: E402
-from backend.errors import ENGINE_DEAD, INTERNAL_ERROR, EngineDeadError, ValidationError  # noqa: E402
+from backend.errors import (  # noqa: E402
+    INTERNAL_ERROR,
+    SHUTTING_DOWN,
+    UNAVAILABLE_ERRORS,
+    EngineDeadError,
+    ValidationError,
+)
 from backend.fault_injection import fault_hook_from_env  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
@@ -71,8 +82,9 @@ _STOP = object()
 # request_options keys (preprocessing's RequestOptions): each a boolean
 REQUEST_OPTIONS = (
     "stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-    "return_num_output_tokens", "return_logprobs",
+    "return_num_output_tokens", "return_logprobs", "in_band_errors",
 )
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 @dataclass(slots=True)
@@ -117,7 +129,10 @@ class TritonPythonModel:
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # (time, RequestOutput) or _STOP
         self.cancel_cursor = 0  # where the next cancellation poll starts in self.requests
         self.loop.start()
-        self.lanes = [SenderLane(f"specserve-sender-{i}", self._send_failed) for i in range(NUM_SENDER_LANES)]
+        self.lanes = [
+            SenderLane(f"specserve-sender-{i}", self._send_failed, self._end_abandoned)
+            for i in range(NUM_SENDER_LANES)
+        ]
         self.next_lane = itertools.count()  # execute()'s thread only
         self.sender = threading.Thread(target=self._send_loop, name="specserve-dispatcher", daemon=True)
         self.sender.start()
@@ -141,15 +156,14 @@ class TritonPythonModel:
     def _submit(self, request) -> None:
         arrival = time.monotonic()
         sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         abort_request_id = _text(request, "abort_request_id")
         if abort_request_id:
             self._abort_by_triton_id(abort_request_id)
-            sender.send(flags=final)
+            sender.send(flags=FINAL)
             return
         triton_request_id = request.request_id()
         if self.early_aborts.pop(triton_request_id, 0.0) > arrival:
-            sender.send(flags=final)
+            sender.send(flags=FINAL)
             return
         request_id = uuid.uuid4().hex
         try:
@@ -228,9 +242,18 @@ class TritonPythonModel:
     def _send_failed(self, item: PendingSend, error: Exception) -> None:
         """On a lane's thread: a send raised. A final response must still end the request."""
         pb_utils.Logger.log_warn(f"llm_engine: sending a response failed: {_traceback(error)}")
-        if item.flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+        if item.flags & FINAL:
             try:
-                _send_error(item.state.sender, INTERNAL_ERROR)
+                item.state.sender.send(_final_error(item.state, INTERNAL_ERROR), flags=FINAL)
+            except Exception:
+                pass  # the client is gone
+
+    def _end_abandoned(self, item: PendingSend) -> None:
+        """On a retired lane's thread: the stuck send returned at last. Unless it was the final
+        response, the abandoned request still needs one."""
+        if not item.flags & FINAL:
+            try:
+                item.state.sender.send(_final_error(item.state, INTERNAL_ERROR), flags=FINAL)
             except Exception:
                 pass  # the client is gone
 
@@ -276,7 +299,7 @@ class TritonPythonModel:
         except Exception as e:
             pb_utils.Logger.log_warn(f"llm_engine: building a response failed: {_traceback(e)}")
             if output.finished:  # the request must still end, or its client waits forever
-                self._send(state, _error_response(INTERNAL_ERROR), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self._send(state, _final_error(state, INTERNAL_ERROR), FINAL)
 
     def _observe_latency(self, state: RequestState, now: float, num_new_tokens: int) -> None:
         if state.last_token_time is None:
@@ -289,22 +312,19 @@ class TritonPythonModel:
         state.last_token_time = now
 
     def _respond(self, state: RequestState, output: RequestOutput) -> None:
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if output.finished and output.finish_reason == "error":
-            dead = output.error == ENGINE_DEAD
-            code = pb_utils.TritonError.UNAVAILABLE if dead else None
-            self._send(state, _error_response(output.error or INTERNAL_ERROR, code), final)
+            self._send(state, _final_error(state, output.error or INTERNAL_ERROR), FINAL)
             return
         if output.finished and state.cancelled:
-            self._send(state, flags=final)
+            self._send(state, flags=FINAL)
             return
         if not state.options.get("stream", False):
             state.text.append(output.text)
             if output.finished:
-                self._send(state, self._response(state, "".join(state.text), output), final)
+                self._send(state, self._response(state, "".join(state.text), output), FINAL)
             return
         if output.text or output.finished:
-            flags = final if output.finished else 0
+            flags = FINAL if output.finished else 0
             self._send(state, self._response(state, output.text, output), flags)
 
     def _response(self, state: RequestState, text: str, output: RequestOutput):
@@ -332,7 +352,7 @@ class TritonPythonModel:
             lane.stop(timeout=10)
         for state in self.requests.values():
             if not state.abandoned:
-                _send_error(state.sender, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+                state.sender.send(_final_error(state, SHUTTING_DOWN), flags=FINAL)
         self.requests.clear()
 
 
@@ -415,10 +435,22 @@ def _refuse(sender, error: Exception) -> None:
         _send_error(sender, INTERNAL_ERROR)
 
 
+def _final_error(state: RequestState, message: str):
+    """The response that ends a request taken by the engine with an error: an error response
+    (UNAVAILABLE when the engine or the server is going away, else INTERNAL), or, for a request
+    with in_band_errors, a response with finish_reason "error" and the message as `error`."""
+    if state.options.get("in_band_errors"):
+        return pb_utils.InferenceResponse(
+            output_tensors=[_bytes_tensor("finish_reason", "error"), _bytes_tensor("error", message)]
+        )
+    unavailable = message in UNAVAILABLE_ERRORS
+    return _error_response(message, pb_utils.TritonError.UNAVAILABLE if unavailable else None)
+
+
 def _error_response(message: str, code=None):
     code = pb_utils.TritonError.INTERNAL if code is None else code
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
 def _send_error(sender, message: str, code=None) -> None:
-    sender.send(_error_response(message, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    sender.send(_error_response(message, code), flags=FINAL)

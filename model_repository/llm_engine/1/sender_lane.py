@@ -26,9 +26,15 @@ class PendingSend:
 
 
 class SenderLane:
-    def __init__(self, name: str, on_error: Callable[[PendingSend, Exception], None]):
+    def __init__(
+        self,
+        name: str,
+        on_error: Callable[[PendingSend, Exception], None],
+        on_abandoned: Callable[[PendingSend], None],
+    ):
         self.name = name
         self.on_error = on_error  # called on this lane's thread when a send raises
+        self.on_abandoned = on_abandoned  # called when a stuck send returns after the hand-over
         self.queue: queue.SimpleQueue = queue.SimpleQueue()  # PendingSend or _STOP
         self.lock = threading.Lock()  # guards sending, since and retired
         self.sending: PendingSend | None = None  # the send in progress
@@ -52,7 +58,7 @@ class SenderLane:
             if self.sending is None:
                 return self
             self.retired = True
-        fresh = SenderLane(self.name, self.on_error)
+        fresh = SenderLane(self.name, self.on_error, self.on_abandoned)
         while True:
             try:
                 fresh.put(self.queue.get_nowait())
@@ -81,5 +87,7 @@ class SenderLane:
                 self.on_error(item, e)
             with self.lock:
                 self.sending = None
-                if self.retired:
-                    return
+                retired = self.retired
+            if retired:
+                self.on_abandoned(item)
+                return

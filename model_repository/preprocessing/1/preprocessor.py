@@ -28,12 +28,14 @@ class PreprocessedRequest:
     options: RequestOptions
     prompt: str  # the prompt as text (chat rendered), echoed when exclude_input_in_output is false
 
-    def engine_inputs(self) -> dict[str, np.ndarray]:
-        """The inputs of llm_engine, by name."""
+    def engine_inputs(self, in_band_errors: bool = False) -> dict[str, np.ndarray]:
+        """The inputs of llm_engine, by name. `in_band_errors`: llm_engine ends the request with
+        an `error` output instead of an error response (what a BLS caller needs, see llm_bls)."""
+        options = json.loads(self.options.to_json()) | ({"in_band_errors": True} if in_band_errors else {})
         return {
             "input_ids": np.asarray(self.input_ids, dtype=np.int32),
             "sampling_params": _bytes(json.dumps(self.params.to_dict())),
-            "request_options": _bytes(self.options.to_json()),
+            "request_options": _bytes(json.dumps(options)),
             "prompt_text": _bytes(self.prompt),
         }
 
