@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_cache import PAD_SLOT  # slot of a padding token: its K/V are not stored
+
 PAD_BLOCK = 0  # block id that pads block tables (never read past seq_lens)
-PAD_SLOT = -1  # slot of a padding token: its K/V are not stored
 _PAD_ROW = [PAD_BLOCK]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from backend.request import Request
 
 
 class NgramProposer:
@@ -30,6 +29,3 @@ class NgramProposer:
                 start = int(starts[-1])  # most recent earlier occurrence
                 return token_ids[start + n : start + n + k]
         return []
-
-    def propose(self, requests: list[Request], ks: list[int]) -> list[tuple[list[int], None]]:
-        return [(self.lookup(r.all_token_ids, k), None) for r, k in zip(requests, ks)]

@@ -49,7 +49,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
-        scheduled: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -67,7 +66,6 @@ class Scheduler:
             else:
                 batch.requests.append(request)
                 batch.num_scheduled_tokens.append(num_new)
-                scheduled.add(request.request_id)
                 budget -= num_new
                 i += 1
 

@@ -30,7 +30,6 @@ import numpy as np
 
 from backend.request import Request
 
-A_MAX = 0.98  # the formula's acceptance is clipped below 1 so E(k) stays finite
 ACCEPTANCE_PRIOR = 0.7  # survival s_i = 0.7^i before anything is measured ...
 PRIOR_COUNT = 2.0  # ... worth this many verifications
 SHRINK_COUNT = 4.0  # a request's curve counts the batch's as this many of its own verifications
@@ -77,15 +76,6 @@ class LinearCost:
 
     def __call__(self, num_tokens: int) -> float:
         return self.t0 + self.t1 * num_tokens
-
-
-def expected_tokens(a: float, k: int) -> float:
-    a = min(max(a, 0.0), A_MAX)
-    return (1 - a ** (k + 1)) / (1 - a)
-
-
-def speedup(a: float, k: int, c: float) -> float:
-    return expected_tokens(a, k) / (k * c + 1)
 
 
 class Survival:

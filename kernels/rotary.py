@@ -31,20 +31,6 @@ def apply_rotary_ref(
     return rotate(q), rotate(k)
 
 
-def apply_rotary(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    positions: torch.Tensor,  # [num_tokens]
-    cos: torch.Tensor,  # [max_positions, head_dim // 2] float32
-    sin: torch.Tensor,  # [max_positions, head_dim // 2] float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton kernel, same contract as `apply_rotary_ref` (kernels/rotary_triton.py): one launch
-    for q and k. Triton is imported on first use."""
-    from kernels.rotary_triton import apply_rotary as apply_rotary_triton
-
-    return apply_rotary_triton(q, k, positions, cos, sin)
-
-
 def rotary_store_kv_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]

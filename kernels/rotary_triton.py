@@ -35,22 +35,6 @@ def _angles(positions_ptr, cos_ptr, sin_ptr, token, stride_cos, HALF: tl.constex
 
 
 @triton.jit
-def _rotary_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
-    num_heads, num_kv_heads,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-):
-    # program `token` rotates every q and k head of one token by its position's angles
-    token = tl.program_id(0).to(tl.int64)
-    c, s = _angles(positions_ptr, cos_ptr, sin_ptr, token, stride_cos, HALF, BLOCK_HALF)
-    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, num_heads, c, s,
-                  BLOCK_HQ, HALF, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh, num_kv_heads, c, s,
-                  BLOCK_HK, HALF, BLOCK_HALF)
-
-
-@triton.jit
 def _rotary_store_kv_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_ptr, sin_ptr, slot_mapping_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_cos,
@@ -107,29 +91,6 @@ def _head_blocks(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
     half = head_dim // 2
     return dict(HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
                 BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads))
-
-
-def apply_rotary(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    positions: torch.Tensor,  # [num_tokens] int32/int64
-    cos: torch.Tensor,  # [max_positions, head_dim // 2] float32
-    sin: torch.Tensor,  # [max_positions, head_dim // 2] float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated copies of q and k (contiguous). q and k may be strided views, e.g. of one packed
-    QKV projection, as long as head_dim is contiguous. Positions must be < max_positions."""
-    check_device(_rotary_kernel, q, k, positions, cos, sin)
-    _check_rotary(q, k, positions, cos, sin)
-    num_tokens, num_heads, head_dim = q.shape
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if num_tokens:
-        _rotary_kernel[(num_tokens,)](
-            q, k, q_out, k_out, positions, cos, sin,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
-            num_heads, k.shape[1], **_head_blocks(num_heads, k.shape[1], head_dim),
-        )
-    return q_out, k_out
 
 
 def rotary_store_kv(

@@ -30,7 +30,6 @@ from transformers import AutoTokenizer  # noqa: E402
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
-from backend.spec_controller import speedup  # noqa: E402
 from perf.prompts import DEFAULT_DRAFT, DEFAULT_TARGET, code_prompts  # noqa: E402
 
 METHODS = {  # name -> engine knobs
@@ -72,6 +71,13 @@ def verification_counts(engine: LLMEngine) -> tuple[int, int]:
     if not spec.proposed_per_position:
         return 0, 0
     return spec.proposed_per_position[0], spec.accepted_per_position[engine.config.num_speculative_tokens - 1]
+
+
+def speedup(a: float, k: int, c: float) -> float:
+    """S(k) = (1 - a^(k+1)) / ((1 - a)(k c + 1)): tokens per verification over its cost in target
+    forwards, for an acceptance rate a per draft token (clipped below 1) and draft cost ratio c."""
+    a = min(max(a, 0.0), 0.98)
+    return (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
 
 
 def geometric_acceptance(accepted: int, steps: int, all_accepted: int) -> float:

@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rotary import apply_rotary, apply_rotary_ref
 
 
 def _tables(max_positions: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -12,53 +11,41 @@ def _tables(max_positions: int, head_dim: int) -> tuple[torch.Tensor, torch.Tens
     return freqs.cos(), freqs.sin()
 
 
-@pytest.mark.parametrize(
-    "num_tokens, num_heads, num_kv_heads, head_dim, dtype",
-    [
-        (6, 6, 2, 64, torch.float32),
-        (11, 32, 8, 128, torch.bfloat16),
-        (4, 4, 4, 32, torch.float16),
-        (3, 12, 2, 80, torch.float32),  # head_dim not a power of two
-        (5, 8, 1, 64, torch.float16),  # one KV head (multi-query attention)
-        (0, 4, 2, 64, torch.float32),
-    ],
-)
-def test_rotary_matches_reference_on_packed_qkv(device, rng, tolerances, num_tokens, num_heads, num_kv_heads,
-                                               head_dim, dtype):
-    """q and k as views of one packed QKV projection output, the way the model passes them."""
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=rng).to(dtype)
-    q, k, _ = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    positions = torch.randint(0, 500, (num_tokens,), generator=rng)
-    cos, sin = _tables(512, head_dim)
-    q_ref, k_ref = apply_rotary_ref(q.double(), k.double(), positions, cos.double(), sin.double())
-    dev = qkv.to(device)
-    q_dev, k_dev, _ = dev.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    q_out, k_out = apply_rotary(q_dev, k_dev, positions.to(device), cos.to(device), sin.to(device))
-    for got, expected in ((q_out, q_ref), (k_out, k_ref)):
-        assert got.dtype == dtype and got.shape == expected.shape
-        torch.testing.assert_close(got.cpu().double(), expected, **tolerances[dtype])
-    torch.testing.assert_close(qkv, dev.cpu())  # inputs untouched
+def _fused_args(device, num_tokens: int = 3, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64):
+    """Arguments of rotary_store_kv: zero q/k/v, 16 positions of tables, a 3-block cache of 8 slots."""
+    cos, sin = _tables(16, head_dim)
+    cache = torch.zeros(3, 8, num_kv_heads, head_dim)
+    q, k, v = (torch.zeros(num_tokens, h, head_dim) for h in (num_heads, num_kv_heads, num_kv_heads))
+    return [t.to(device) for t in (q, k, v, torch.zeros(num_tokens, dtype=torch.int64), cos, sin, cache,
+                                   cache.clone(), torch.arange(num_tokens, dtype=torch.int64))]
 
 
 def test_rotary_position_zero_is_identity(device, rng):
-    q = torch.randn(3, 4, 64, generator=rng)
-    k = torch.randn(3, 2, 64, generator=rng)
-    cos, sin = _tables(16, 64)
-    q_out, k_out = apply_rotary(q.to(device), k.to(device), torch.zeros(3, dtype=torch.int64, device=device),
-                                cos.to(device), sin.to(device))
+    from kernels.rotary import rotary_store_kv
+
+    args = _fused_args(device)
+    q, k = torch.randn(3, 4, 64, generator=rng), torch.randn(3, 2, 64, generator=rng)
+    args[0], args[1] = q.to(device), k.to(device)
+    q_out = rotary_store_kv(*args)
     torch.testing.assert_close(q_out.cpu(), q)
-    torch.testing.assert_close(k_out.cpu(), k)
+    torch.testing.assert_close(args[6].cpu().view(-1, 2, 64)[:3], k)  # stored at slots 0, 1, 2
 
 
-def test_rotary_rejects_bad_arguments(device):
-    cos, sin = _tables(16, 64)
-    q, k = torch.zeros(2, 4, 64, device=device), torch.zeros(2, 2, 64, device=device)
+def test_rotary_rejects_bad_tables_and_positions(device):
+    from kernels.rotary import rotary_store_kv
+
+    bad_k = _fused_args(device)
+    bad_k[1] = bad_k[1][:1]
     with pytest.raises(ValueError, match="must agree"):
-        apply_rotary(q, k[:1], torch.zeros(2, dtype=torch.int64, device=device), cos.to(device), sin.to(device))
+        rotary_store_kv(*bad_k)
+    bad_cos = _fused_args(device)
+    bad_cos[4] = bad_cos[4].double()
     with pytest.raises(ValueError, match="float32"):
-        apply_rotary(q, k, torch.zeros(2, dtype=torch.int64, device=device), cos.double().to(device), sin.to(device))
+        rotary_store_kv(*bad_cos)
+    bad_positions = _fused_args(device)
+    bad_positions[3] = bad_positions[3].float()
     with pytest.raises(ValueError, match="int32 or int64"):
-        apply_rotary(q, k, torch.zeros(2, device=device), cos.to(device), sin.to(device))
+        rotary_store_kv(*bad_positions)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +60,7 @@ def test_rotary_rejects_bad_arguments(device):
 )
 def test_rotary_store_kv_matches_rotary_then_store(device, rng, tolerances, num_tokens, num_heads, num_kv_heads,
                                                    head_dim, block_size, dtype):
-    """The fused launch returns what apply_rotary_ref returns for q and leaves the caches as
+    """The fused launch returns the reference's rotated q and leaves the caches as
     store_kvcache_ref of the rotated k and of v leaves them (padding slots untouched)."""
     from kernels.kv_cache import PAD_SLOT
     from kernels.rotary import rotary_store_kv, rotary_store_kv_ref

@@ -1,4 +1,4 @@
-"""llm: the public entry point, a decoupled Python model over llm_engine that can be cancelled.
+"""llm_bls: `llm`'s inputs and outputs as a decoupled Python model over llm_engine that can be cancelled.
 
 tritonserver 2.51 checks an ensemble request for cancellation only between steps, and its Python
 backend cannot cancel a BLS request. So this model does the `llm` ensemble's work itself and
