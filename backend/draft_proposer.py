@@ -5,8 +5,9 @@ The draft sees the same positions as the target, so a request's block table serv
 request starts at 0. The first draft forward of a step reads, for each request that speculates,
 everything it has not seen (the last step's accepted and bonus tokens; more after sitting out),
 and, without logits, the chunks other requests are behind by (a prompt alongside the target's
-prefill chunk); then k - 1 single-token forwards follow. After verification the draft's KV is
-valid up to the target's num_computed_tokens at most.
+prefill chunk); then k - 1 single-token forwards follow. Each draws through the engine's sampler,
+the draft tokens before it counted as output. After verification the draft's KV is valid up to
+the target's num_computed_tokens at most.
 """
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ import torch
 
 from backend.model_runner import ModelRunner, StepInput
 from backend.request import Request
-from backend.sampler import Sampler, SamplingRow
+from backend.sampler import Sampler
+from backend.sampling_metadata import build_sampling_metadata
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, sampler: Sampler):
+    def __init__(self, runner: ModelRunner, sampler: Sampler, vocab_size: int):
         self.runner = runner
         self.sampler = sampler  # the engine's: unseeded requests draw from its generator
+        self.vocab_size = vocab_size
 
     def propose(
         self, requests: list[Request], ks: list[int], clock: Callable[[int, int, int, float], None] | None = None,
@@ -45,29 +48,23 @@ class DraftProposer:
                 r = requests[i]
                 if j == 0:
                     start = min(r.num_draft_computed_tokens, r.num_tokens - 1)
-                    step.token_ids.append(r.tokens_slice(start, r.num_tokens))
+                    step.add(r.tokens_slice(start, r.num_tokens), start, r.block_table, 1)
                 else:
-                    start = r.num_tokens - 1 + j
-                    step.token_ids.append([tokens[i][-1]])
-                step.start_positions.append(start)
-                step.block_tables.append(r.block_table)
-                step.num_logits.append(1)
-                r.num_draft_computed_tokens = start + len(step.token_ids[-1])
+                    step.add([tokens[i][-1]], r.num_tokens - 1 + j, r.block_table, 1)
+                r.num_draft_computed_tokens = step.start_positions[-1] + len(step.token_ids[-1])
             for r, end in catch_up if j == 0 else ():
-                step.token_ids.append(r.tokens_slice(r.num_draft_computed_tokens, end))
-                step.start_positions.append(r.num_draft_computed_tokens)
-                step.block_tables.append(r.block_table)
-                step.num_logits.append(0)
+                step.add(r.tokens_slice(r.num_draft_computed_tokens, end), r.num_draft_computed_tokens, r.block_table, 0)
                 r.num_draft_computed_tokens = end
             logits = self.runner.run(step)
             if active:
-                rows = [SamplingRow(requests[i], tokens[i][:]) for i in active]
-                q = self.sampler.distributions(logits, rows)
-                new = self.sampler.sample(q, rows).tolist()
-                for row_idx, i in enumerate(active):
-                    tokens[i].append(new[row_idx])
+                drafting = [requests[i] for i in active]
+                meta = build_sampling_metadata(drafting, [[] for _ in active], self.vocab_size, self.sampler.generator,
+                                               logits.device, prefixes=[tokens[i] for i in active])
+                out = self.sampler(logits, meta)
+                for row, (i, token) in enumerate(zip(active, out.token_ids[:, 0].tolist())):
+                    tokens[i].append(token)
                     if not requests[i].params.greedy:  # a greedy verification compares argmaxes only
-                        probs[i].append(q[row_idx])
+                        probs[i].append(out.probs[row])
             if clock is not None:
                 clock(j, sum(len(t) for t in step.token_ids), len(active), started)
         return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]

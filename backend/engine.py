@@ -1,15 +1,15 @@
 """The engine: requests in, token/text deltas out, one iteration per `step()`.
 
-    batch = self.scheduler.schedule()
-    logits = self.runner.run(step_input(batch))
-    outputs = self.update(batch, logits)
+One pipeline for every step: schedule (with room for draft tokens) -> propose drafts -> one
+forward over the flat batch -> the sampler, on the device (sampling and verification alike) ->
+one asynchronous copy of the tokens to the host -> append, detokenize, output.
 
 Overlapped steps (CUDA, no speculation): the GPU never waits for the host. `step()` schedules and
-launches step N+1 and samples it on the device, and only then reads back step N's tokens, whose
-GPU work finished while the host was busy with N+1 (detokenizing, stop checks, outputs). Step N+1
-is scheduled as if every request of step N goes on: its input token is N's sampled token, copied
-on the device; a request that N finished (EOS, stop string) wastes one row of N+1, which is
-dropped; one that N takes to max_tokens is not scheduled again. Outputs come one step later.
+launches step N+1 and only then reads back step N's tokens, whose GPU work finished while the host
+was busy with N+1; N+1 is sampled after that read-back, so its penalties and min_tokens see N's
+tokens. Step N+1 is scheduled as if every request of step N goes on: its input token is N's sampled
+token, copied on the device; a request that N finished (EOS, stop string) wastes one row of N+1,
+which is dropped; one that N takes to max_tokens is not scheduled again. Outputs come one step later.
 
 Not thread-safe: backend.engine_loop.EngineLoop drives it from one thread.
 """
@@ -37,8 +37,8 @@ from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
 from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
-from backend.rejection_sampler import Proposal, verify_batch
-from backend.sampler import Logprobs, Sampler, SamplingRow, compute_logprobs, gather_logprobs, wants_logprobs
+from backend.sampler import PLACEHOLDER_TOKEN, Sampler, SamplerOutput
+from backend.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.speculator import Speculator
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
@@ -64,25 +64,17 @@ class EngineStats:
 
 @dataclass(slots=True)
 class InFlightStep:
-    """A launched overlapped step: the requests it samples a token for, in row order, and the
-    tokens (and asked-for logprobs) on their way to the host; `ready` marks their arrival."""
-    requests: list[Request]
-    rows: list[SamplingRow]
-    device_tokens: torch.Tensor  # [len(requests)] int64, read by the next step's inputs
-    host_tokens: torch.Tensor
-    logprobs: Logprobs | None
-    ready: torch.cuda.Event | None  # None on CPU: the copies are done already
+    """A sampled step on its way to the host: its requests and their rows (`meta`), the tokens on
+    the device (the next overlapped step reads them as inputs) and their host copy; `ready`
+    marks the copy's arrival (None on a CPU: the copy is the tensor itself)."""
+    meta: SamplingMetadata
+    device_tokens: torch.Tensor  # [B, max_k + 1] int64
+    host: SamplerOutput
+    ready: torch.cuda.Event | None
 
     def row_of(self) -> dict[str, int]:
-        return {r.request_id: i for i, r in enumerate(self.requests)}
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """Start copying a device tensor to (pinned) host memory without waiting for it."""
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
+        """Request id -> its row of `device_tokens`."""
+        return {r.request_id: i for i, r in enumerate(self.meta.requests)}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,6 +104,7 @@ class LLMEngine:
         model, _ = load_model(config.model, config.dtype, self.device, self.max_model_len)
         self.model = model
         self.eos_token_ids = self._eos_token_ids(config.model)
+        self.vocab_size = model.args.vocab_size
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.draft_model = None
         if config.speculative_method == "draft":
@@ -140,7 +133,7 @@ class LLMEngine:
             draft_runner = ModelRunner(
                 self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.draft_dtype
             )
-            proposer = DraftProposer(draft_runner, self.sampler)
+            proposer = DraftProposer(draft_runner, self.sampler, self.vocab_size)
         elif config.speculative_method == "ngram":
             proposer = NgramProposer()
         self.speculator = Speculator(proposer, config.num_speculative_tokens, config.adaptive_speculation, self.device,
@@ -245,29 +238,34 @@ class LLMEngine:
     # -- one iteration ----------------------------------------------------------------------------
     @torch.inference_mode()  # sampling changes the forward's logits in place
     def step(self) -> list[RequestOutput]:
-        if self.overlap:
-            return self._overlapped_step()
         started = time.perf_counter()
+        batch, draft_probs = self._schedule()
+        logits = self.runner.run(self.step_input(batch, self.in_flight)) if batch.requests else None
+        lookahead = [r.num_lookahead_tokens for r in batch.requests]  # _sample clears them
+        if logits is not None and self.speculator.proposer is not None:
+            self.speculator.observe_forward(batch, lookahead, started)
+        outputs = self._read_back()  # the step launched before this one (overlapped steps)
+        if logits is not None:
+            self.in_flight = self._sample(batch, logits, draft_probs)
+        if not self.overlap:
+            outputs += self._read_back()
+            self.speculator.observe_step(batch, lookahead, sum(len(o.token_ids) for o in outputs),
+                                         time.perf_counter() - started)
+        return outputs
+
+    def _schedule(self) -> tuple[ScheduledBatch, dict[str, torch.Tensor]]:
+        """Choose k per request and reserve room for its drafts, schedule, then propose the
+        drafts the budget granted. Returns the batch and the draft distributions by request id."""
         self.speculator.reserve(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch.requests:
-            return []
+            return batch, {}
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
-        draft_probs = self.speculator.propose(batch, self.scheduler.running)
-        forward_started = time.perf_counter()
-        logits = self.runner.run(self.step_input(batch))
-        lookahead = [r.num_lookahead_tokens for r in batch.requests]  # update() clears them
-        if self.speculator.proposer is not None:  # adaptive speculation measures the target's steps
-            self.speculator.observe_forward(batch, lookahead, forward_started)
-        outputs = self.update(batch, logits, draft_probs)
-        num_new = sum(len(o.token_ids) for o in outputs)
-        self.speculator.observe_step(batch, lookahead, num_new, time.perf_counter() - started)
-        return outputs
+        return batch, self.speculator.propose(batch, self.scheduler.running)
 
     @staticmethod
     def step_input(batch: ScheduledBatch, in_flight: InFlightStep | None = None) -> StepInput:
-        token_ids, starts, tables, num_logits = [], [], [], []
-        step = StepInput(token_ids, starts, tables, num_logits)
+        step = StepInput([], [], [], [])
         row_of = in_flight.row_of() if in_flight is not None else {}
         flat = 0  # index of the request's first token in the flat batch
         for request, n in zip(batch.requests, batch.num_scheduled_tokens):
@@ -276,123 +274,84 @@ class LLMEngine:
             if len(tokens) < n:  # the last input was sampled last step and is still on the device
                 tokens.append(0)
                 step.from_device.append((flat + n - 1, row_of[request.request_id]))
-            token_ids.append(tokens)
-            starts.append(start)
-            tables.append(request.block_table)
-            # logits for the last real token and every draft token, once they are all computed
+            # logits for the last known token and every draft token, once they are all computed
             known = request.num_tokens + request.num_pending_tokens
-            num_logits.append(start + n - known + 1 if start + n >= known else 0)
+            step.add(tokens, start, request.block_table, start + n - known + 1 if start + n >= known else 0)
             flat += n
         if step.from_device:
-            step.device_tokens = in_flight.device_tokens
+            step.device_tokens = in_flight.device_tokens[:, 0]
         return step
 
-    # -- overlapped steps -------------------------------------------------------------------------
-    def _overlapped_step(self) -> list[RequestOutput]:
-        """Launch step N+1, read back step N, then sample N+1 on the device (its penalties and
-        min_tokens see N's tokens); returns step N's outputs."""
-        batch = self.scheduler.schedule()
+    def _sample(
+        self, batch: ScheduledBatch, logits: torch.Tensor, draft_probs: dict[str, torch.Tensor]
+    ) -> InFlightStep | None:
+        """Advance the computed tokens, then sample (and verify drafts) on the device for every
+        request whose logits this step computed; the tokens start on their way to the host. None
+        when the step only read prompt chunks."""
         sampled: list[Request] = []
-        logits = None
-        if batch.requests:
-            self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
-            logits = self.runner.run(self.step_input(batch, self.in_flight))
-            for request, n in zip(batch.requests, batch.num_scheduled_tokens):
-                if request.num_computed_tokens + n >= request.num_tokens_with_spec:
-                    sampled.append(request)
-                request.num_computed_tokens += n
-            for request in sampled:
-                request.num_pending_tokens += 1
-        outputs = self._read_back()
-        if sampled:
-            self.in_flight = self._sample_on_device(sampled, logits)
-        return outputs
-
-    def _sample_on_device(self, requests: list[Request], logits: torch.Tensor) -> InFlightStep:
-        rows = [SamplingRow(r) for r in requests]
-        work = logits.clone() if wants_logprobs(rows) else logits  # penalties change it in place
-        tokens = self.sampler.sample(self.sampler.distributions(work, rows), rows)
-        logprobs = gather_logprobs(logits, tokens, rows)
-        host_tokens = to_host(tokens)
-        if logprobs is not None:
-            logprobs = Logprobs(logprobs.rows, *map(to_host, (logprobs.chosen, logprobs.top_values, logprobs.top_ids)))
+        for request, n in zip(batch.requests, batch.num_scheduled_tokens):
+            if request.num_computed_tokens + n >= request.num_tokens_with_spec:
+                sampled.append(request)
+            request.num_computed_tokens += n
+            request.num_lookahead_tokens = 0
+        if not sampled:
+            return None
+        drafts = [r.spec_token_ids for r in sampled]
+        meta = build_sampling_metadata(sampled, drafts, self.vocab_size, self.sampler.generator, self.device)
+        q = None  # [D, vocab] the draft model's distributions; None: one-hot drafts (n-gram, greedy)
+        per_request = [draft_probs.get(r.request_id) for r in sampled]
+        if any(p is not None for p in per_request):  # a greedy request has none: zero rows, never read
+            q = torch.cat([p if p is not None else logits.new_zeros(len(d), logits.shape[1])
+                           for p, d in zip(per_request, drafts)])
+        for request in sampled:
+            request.num_pending_tokens += 1
+            request.spec_token_ids = []
+        output = self.sampler(logits, meta, q)
+        host = output.to("cpu", non_blocking=True)
         ready = None
-        if tokens.is_cuda:
+        if output.token_ids.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return InFlightStep(requests, rows, tokens, host_tokens, logprobs, ready)
+        return InFlightStep(meta, output.token_ids, host, ready)
 
     def _read_back(self) -> list[RequestOutput]:
-        """Append the in-flight step's tokens to their requests (those still alive) and return
-        their outputs."""
+        """Wait for the in-flight step's tokens, then append them to their requests (those still
+        alive: a request aborted or finished since wasted its row), roll back rejected draft
+        positions, and return the requests' outputs."""
         step, self.in_flight = self.in_flight, None
         if step is None:
             return []
         if step.ready is not None:
             step.ready.synchronize()
-        tokens = step.host_tokens.tolist()
-        logprobs = step.logprobs.entries(tokens, step.rows) if step.logprobs is not None else [None] * len(tokens)
+        tokens = step.host.token_ids.tolist()
+        logprobs = step.host.logprobs.entries() if step.host.logprobs is not None else {}
         outputs = []
-        for request, row, token, lp in zip(step.requests, step.rows, tokens, logprobs):
+        first_row = 0
+        for request, k, row_tokens in zip(step.meta.requests, step.meta.num_drafts, tokens):
+            rows = range(first_row, first_row + k + 1)
+            first_row += k + 1
             if self.requests.get(request.request_id) is not request:
-                continue  # aborted, or finished by an earlier token: this row was wasted
+                continue
             request.num_pending_tokens -= 1
-            outputs.append(self._advance(request, [token], [lp], row.error))
+            error = step.meta.errors.get(request.request_id)
+            new = [t for t in row_tokens if t != PLACEHOLDER_TOKEN] if error is None else []
+            if k and error is None:
+                num_accepted = len(new) - 1
+                self.speculator.record(request, k, num_accepted)
+                request.num_computed_tokens -= k - num_accepted  # roll back the rejected positions
+                request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
+            entries = [self._logprob_entry(logprobs.get(row), token, request.params.logprobs)
+                       for row, token in zip(rows, new)]
+            # trim: no block stays for rejected positions
+            outputs.append(self._advance(request, new, entries, error, trim=k > 0))
         return outputs
 
-    def update(
-        self, batch: ScheduledBatch, logits: torch.Tensor, draft_probs: dict[str, torch.Tensor] | None = None
-    ) -> list[RequestOutput]:
-        """Sample (or verify draft tokens) where logits were computed, then advance requests."""
-        draft_probs = draft_probs or {}
-        sampled = [r for r, n in zip(batch.requests, batch.num_scheduled_tokens) if r.num_computed_tokens + n >= r.num_tokens]
-        for request, n in zip(batch.requests, batch.num_scheduled_tokens):
-            request.num_computed_tokens += n
-        rows: list[SamplingRow] = []  # one per logits row: a request's k + 1 positions in order
-        for r in sampled:
-            rows += [SamplingRow(r, r.spec_token_ids[:i]) for i in range(len(r.spec_token_ids) + 1)]
-        if not rows:
-            return []
-        work = logits.clone() if wants_logprobs(rows) else logits  # kept raw for logprobs
-        probs = self.sampler.distributions(work, rows)
-        faults = {row.request.request_id: row.error for row in rows if row.error is not None}
-        chosen = [0] * len(rows)  # token per row
-        plain = [i for i, row in enumerate(rows) if not row.request.spec_token_ids]  # no drafts to verify
-        if plain:
-            plain_probs = probs if len(plain) == len(rows) else probs[plain]
-            drawn = self.sampler.sample(plain_probs, [rows[i] for i in plain])
-            for i, token in zip(plain, drawn.tolist()):
-                chosen[i] = token
-        new_tokens: dict[str, list[int]] = {}
-        speculating, proposals = [], []
-        row = 0
-        for r in sampled:
-            k = len(r.spec_token_ids)
-            if k == 0:
-                new_tokens[r.request_id] = [chosen[row]]
-            elif r.request_id not in faults:
-                speculating.append((r, row))
-                proposals.append(Proposal(r.spec_token_ids, draft_probs.get(r.request_id), row))
-            row += k + 1
-        verdicts = verify_batch(proposals, probs, rows, self.sampler.generator) if proposals else []
-        for (r, row), verdict in zip(speculating, verdicts):
-            k = len(r.spec_token_ids)
-            self.speculator.record(r, k, verdict.num_accepted)
-            new_tokens[r.request_id] = verdict.tokens
-            chosen[row : row + len(verdict.tokens)] = verdict.tokens
-            r.num_computed_tokens -= k - verdict.num_accepted  # roll back the rejected positions
-            r.num_draft_computed_tokens = min(r.num_draft_computed_tokens, r.num_computed_tokens)
-        logprobs = compute_logprobs(logits, torch.tensor(chosen), rows)
-        outputs = []
-        row = 0
-        for r in sampled:
-            tokens = new_tokens.get(r.request_id, [])  # none for a faulty request's drafts
-            lps = logprobs[row : row + len(tokens)]
-            row += len(r.spec_token_ids) + 1
-            r.spec_token_ids, r.num_lookahead_tokens = [], 0
-            # trim: no block stays for rejected positions
-            outputs.append(self._advance(r, tokens, lps, faults.get(r.request_id), trim=True))
-        return outputs
+    @staticmethod
+    def _logprob_entry(entry: tuple[float, list[int], list[float]] | None, token: int, n: int | None) -> dict | None:
+        if entry is None or n is None:
+            return None
+        chosen, top_ids, top_values = entry
+        return {"token_id": token, "logprob": chosen, "top": dict(zip(top_ids[:n], top_values[:n]))}
 
     def _advance(
         self, request: Request, tokens: list[int], logprobs: list[dict | None], error: Exception | None, trim: bool = False

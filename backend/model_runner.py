@@ -36,6 +36,13 @@ class StepInput:
     device_tokens: torch.Tensor | None = None
     from_device: list[tuple[int, int]] = field(default_factory=list)
 
+    def add(self, token_ids: list[int], start: int, block_table: list[int], num_logits: int) -> None:
+        """One request's tokens at positions start.. (target and draft build their steps alike)."""
+        self.token_ids.append(token_ids)
+        self.start_positions.append(start)
+        self.block_tables.append(block_table)
+        self.num_logits.append(num_logits)
+
 
 @dataclass(slots=True)
 class _FlatInputs:

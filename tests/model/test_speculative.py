@@ -8,9 +8,9 @@ from scipy.stats import chisquare
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.rejection_sampler import Proposal, verify, verify_batch
 from backend.request import Request
-from backend.sampler import SamplingRow
+from backend.sampler import PLACEHOLDER_TOKEN, Sampler
+from backend.sampling_metadata import build_sampling_metadata
 from backend.sampling_params import SamplingParams
 from tests.conftest import write_tiny_model
 from tests.model.test_engine_vs_hf import mixed_prompts, run_engine
@@ -147,25 +147,32 @@ P_TABLE = _BASE / _BASE.sum(-1, keepdim=True)  # toy target p(next | prev); prev
 Q_TABLE = torch.roll(P_TABLE, 1, dims=1) * 0.5 + 0.5 / VOCAB  # a poor but valid draft
 
 
-def _lossless(d, q, p, rows, gen) -> list[int]:
-    return verify(d, q, p, rows, gen).tokens
+def _verify(requests, drafts, qs, p, gen) -> list[list[int]]:
+    """One step of the engine's sampler over target distributions p (as logits log p)."""
+    sampler = Sampler()
+    sampler.generator = gen
+    meta = build_sampling_metadata(requests, drafts, VOCAB, gen, torch.device("cpu"))
+    out = sampler(p.log(), meta, torch.cat(qs) if qs else None).token_ids.tolist()
+    return [[t for t in row if t != PLACEHOLDER_TOKEN] for row in out]
 
 
-def _lossless_among_others(d, q, p, rows, gen) -> list[int]:
+def _lossless(d, q, p, req, gen) -> list[int]:
+    return _verify([req], [d], [q], p, gen)[0]
+
+
+def _lossless_among_others(d, q, p, req, gen) -> list[int]:
     """The same verification inside a batch: a greedy request before it and a sampled one with a
     one-hot (n-gram) proposal after it, their rows around its own."""
     greedy = Request("g", [0], SamplingParams(temperature=0.0))
     other = Request("o", [0], SamplingParams(temperature=1.0, seed=99))
-    k = len(d)
     target = torch.cat([P_TABLE[[VOCAB, 1]], p, P_TABLE[[2, 3, 4]]])
-    batch_rows = [SamplingRow(greedy)] * 2 + rows + [SamplingRow(other)] * 3
-    proposals = [Proposal([0], None, 0), Proposal(d, q, 2), Proposal([5, 1], None, 2 + k + 1)]
-    verdicts = verify_batch(proposals, target, batch_rows, gen)
-    assert verdicts[0].tokens[-1] == int(P_TABLE[VOCAB].argmax()) or verdicts[0].num_accepted == 1
-    return verdicts[1].tokens
+    one_hot = torch.nn.functional.one_hot(torch.tensor([0, 5, 1]), VOCAB).float()
+    tokens = _verify([greedy, req, other], [[0], d, [5, 1]], [one_hot[:1], q, one_hot[1:]], target, gen)
+    assert tokens[0][-1] == int(P_TABLE[VOCAB].argmax()) or len(tokens[0]) == 2
+    return tokens[1]
 
 
-def _accept_all(d, q, p, rows, gen) -> list[int]:
+def _accept_all(d, q, p, req, gen) -> list[int]:
     return d  # a wrong verifier: keeps every draft token
 
 
@@ -184,7 +191,7 @@ def _joint_first_two(rule, trials: int, k: int = 2) -> tuple[torch.Tensor, torch
             qs.append(q)
             prev = d[-1]
         p = torch.stack([P_TABLE[c] for c in [VOCAB] + d])  # [k + 1, vocab]
-        tokens = rule(d, torch.stack(qs), p, [SamplingRow(req) for _ in range(k + 1)], gen)
+        tokens = rule(d, torch.stack(qs), p, req, gen)
         if len(tokens) == 1:
             tokens.append(int(torch.multinomial(P_TABLE[tokens[0]], 1, generator=req.generator)))
         counts[tokens[0] * VOCAB + tokens[1]] += 1

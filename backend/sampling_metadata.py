@@ -1,0 +1,205 @@
+"""One step's sampling inputs, built on the host in one pass and uploaded once.
+
+The step samples for B requests. Request b has 1 + k_b consecutive rows of logits: its last
+token's, then one per draft token to verify (k_b = 0 when it does not speculate); R rows in all,
+D = sum k_b draft tokens. Row i of request b sees the draft tokens before it as output (penalties,
+min_tokens). Uniform draws are made here, from the request's own generator when it has a seed (k_b
+for its draft tokens, then one for its last token, in that order) and from the engine's otherwise,
+so a seeded request's tokens do not depend on its batch-mates. Greedy requests draw nothing.
+
+A request whose rows cannot be built (a stop token id past the vocabulary) gets neutral rows and
+its exception in `errors`: it fails alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.errors import is_fatal
+from backend.request import Request
+
+
+def on_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a tensor on `device`, uploaded without waiting for queued device work."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Repetition (prompt + output), presence and frequency (output) penalties of the rows."""
+    repetition: torch.Tensor  # [R] float32, 1.0: none
+    frequency: torch.Tensor  # [R] float32
+    presence: torch.Tensor  # [R] float32
+    output_rows: torch.Tensor  # [N] int64: row of each output token counted ...
+    output_tokens: torch.Tensor  # [N] int64: ... and the token
+    prompt_rows: torch.Tensor  # [M] int64: row of each prompt token a repetition penalty sees ...
+    prompt_tokens: torch.Tensor  # [M] int64: ... and the token
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    requests: list[Request]  # B, in row order
+    num_drafts: list[int]  # per request: k_b
+    errors: dict[str, Exception]  # request id -> why its rows could not be built
+    logprob_rows: list[int]  # rows whose requests asked for logprobs
+    max_logprobs: int  # the largest top-n asked for
+    all_greedy: bool
+    max_k: int
+    # on the device
+    greedy: torch.Tensor  # [B] bool
+    first_row: torch.Tensor  # [B] int64: request b's rows are first_row[b] .. first_row[b] + k_b
+    num_drafts_t: torch.Tensor  # [B] int64
+    draft_offset: torch.Tensor  # [B] int64: request b's first draft token in the flat drafts
+    draft_token_ids: torch.Tensor  # [D] int64
+    draft_request: torch.Tensor  # [D] int64: request of each draft token
+    draft_position: torch.Tensor  # [D] int64: its position 0 .. k_b - 1
+    row_slot: torch.Tensor  # [R] int64: row r -> b * (max_k + 1) + i, its place in the output
+    temperature: torch.Tensor  # [R] float32, 1.0 for greedy rows
+    top_k: torch.Tensor | None  # [R] int64 (vocab: none); None when no row filters
+    top_p: torch.Tensor | None  # [R] float32
+    min_p: torch.Tensor | None  # [R] float32; None when no row asks
+    penalties: Penalties | None  # None when no row has one
+    banned_rows: torch.Tensor | None  # [N] int64: (row, token) masked to -inf before min_tokens
+    banned_tokens: torch.Tensor | None
+    uniform_drafts: torch.Tensor  # [D] float32: accept draft token j when u_j q(d_j) < p(d_j)
+    uniform_last: torch.Tensor  # [B] float32: draws the recovered or bonus token
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.requests) + sum(self.num_drafts)
+
+
+@dataclass(slots=True)
+class _Rows:
+    """One request's rows on the host."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    greedy: bool = True
+    banned: tuple[int, ...] = ()  # per row i: banned while its output count is below min_tokens
+
+
+def build_sampling_metadata(
+    requests: list[Request],
+    drafts: list[list[int]],  # per request: the draft tokens to verify (empty: sample one token)
+    vocab_size: int,
+    generator: torch.Generator,  # the engine's, for requests without a seed
+    device: torch.device,
+    prefixes: list[list[int]] | None = None,  # per request: tokens sampled but not yet in its output
+) -> SamplingMetadata:
+    prefixes = prefixes or [[] for _ in requests]
+    num_drafts = [len(d) for d in drafts]
+    max_k = max(num_drafts, default=0)
+    errors: dict[str, Exception] = {}
+    temperature, top_k, top_p, min_p, greedy = [], [], [], [], []
+    rep, freq, pres = [], [], []
+    out_rows, out_tokens, prompt_rows, prompt_tokens, banned_rows, banned_tokens = [], [], [], [], [], []
+    logprob_rows, max_logprobs = [], 0
+    first_rows, draft_offsets, draft_request, draft_position, row_slot = [], [], [], [], []
+    seeded_draws: list[tuple[int, torch.Tensor]] = []  # (request index, its k + 1 uniforms)
+    unseeded: list[int] = []  # request indices drawing from the engine's generator
+    row = 0
+    for b, (request, draft, prefix) in enumerate(zip(requests, drafts, prefixes)):
+        k = len(draft)
+        first_rows.append(row)
+        draft_offsets.append(len(draft_request))
+        draft_request += [b] * k
+        draft_position += range(k)
+        row_slot += range(b * (max_k + 1), b * (max_k + 1) + k + 1)
+        p = request.params
+        own = ([], [], [], [], [], [])  # this request's (out_rows, out_tokens, prompt_rows, ...) until it is built
+        try:
+            banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(request.eos_token_ids))
+            if any(not 0 <= t < vocab_size for t in banned):
+                raise IndexError(f"a stop token id is outside the vocabulary [0, {vocab_size})")
+            penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+            n_out = request.num_output_tokens + len(prefix)
+            for i in range(k + 1):
+                if penalized:
+                    counted = request.output_token_ids + prefix + draft[:i]
+                    own[0].extend([row + i] * len(counted))
+                    own[1].extend(counted)
+                    if p.repetition_penalty != 1.0:
+                        own[2].extend([row + i] * request.num_prompt_tokens)
+                        own[3].extend(request.prompt_token_ids)
+                if n_out + i < p.min_tokens and banned:
+                    own[4].extend([row + i] * len(banned))
+                    own[5].extend(banned)
+            rows = _Rows(p.temperature if not p.greedy else 1.0, p.top_k, p.top_p, p.min_p, p.greedy)
+            penalties = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            errors[request.request_id] = e
+            rows, penalties, own = _Rows(), (1.0, 0.0, 0.0), ([], [], [], [], [], [])
+        for flat, mine in zip((out_rows, out_tokens, prompt_rows, prompt_tokens, banned_rows, banned_tokens), own):
+            flat.extend(mine)
+        if p.logprobs is not None and request.request_id not in errors:
+            logprob_rows += range(row, row + k + 1)
+            max_logprobs = max(max_logprobs, p.logprobs)
+        for _ in range(k + 1):
+            temperature.append(rows.temperature)
+            top_k.append(rows.top_k if rows.top_k > 0 else vocab_size)
+            top_p.append(rows.top_p)
+            min_p.append(rows.min_p)
+            rep.append(penalties[0])
+            freq.append(penalties[1])
+            pres.append(penalties[2])
+        greedy.append(rows.greedy)
+        if not rows.greedy:
+            if request.generator is not None:
+                seeded_draws.append((b, torch.rand(k + 1, generator=request.generator)))
+            else:
+                unseeded.append(b)
+        row += k + 1
+    # the draws: k_b for the draft tokens, then the last token's, per sampled request
+    uniform_drafts = torch.zeros(len(draft_request))
+    uniform_last = torch.zeros(len(requests))
+    pooled = torch.rand(sum(num_drafts[b] + 1 for b in unseeded), generator=generator)
+    at = 0
+    for b in unseeded:
+        k = num_drafts[b]
+        seeded_draws.append((b, pooled[at : at + k + 1]))
+        at += k + 1
+    for b, u in seeded_draws:
+        k = num_drafts[b]
+        uniform_drafts[draft_offsets[b] : draft_offsets[b] + k] = u[:k]
+        uniform_last[b] = u[k]
+
+    def up(values, dtype):
+        return on_device(values, device, dtype)
+
+    filters_top = any(k < vocab_size for k in top_k) or any(t < 1.0 for t in top_p)
+    has_penalties = any(r != 1.0 for r in rep) or any(freq) or any(pres)
+    return SamplingMetadata(
+        requests=requests,
+        num_drafts=num_drafts,
+        errors=errors,
+        logprob_rows=logprob_rows,
+        max_logprobs=max_logprobs,
+        all_greedy=all(greedy),
+        max_k=max_k,
+        greedy=up(greedy, torch.bool),
+        first_row=up(first_rows, torch.int64),
+        num_drafts_t=up(num_drafts, torch.int64),
+        draft_offset=up(draft_offsets, torch.int64),
+        draft_token_ids=up([t for d in drafts for t in d], torch.int64),
+        draft_request=up(draft_request, torch.int64),
+        draft_position=up(draft_position, torch.int64),
+        row_slot=up(row_slot, torch.int64),
+        temperature=up(temperature, torch.float32),
+        top_k=up(top_k, torch.int64) if filters_top else None,
+        top_p=up(top_p, torch.float32) if filters_top else None,
+        min_p=up(min_p, torch.float32) if any(m > 0 for m in min_p) else None,
+        penalties=Penalties(
+            up(rep, torch.float32), up(freq, torch.float32), up(pres, torch.float32),
+            up(out_rows, torch.int64), up(out_tokens, torch.int64),
+            up(prompt_rows, torch.int64), up(prompt_tokens, torch.int64),
+        ) if has_penalties else None,
+        banned_rows=up(banned_rows, torch.int64) if banned_rows else None,
+        banned_tokens=up(banned_tokens, torch.int64) if banned_rows else None,
+        uniform_drafts=uniform_drafts.to(device, non_blocking=True),
+        uniform_last=uniform_last.to(device, non_blocking=True),
+    )
