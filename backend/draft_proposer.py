@@ -1,7 +1,7 @@
 """Draft-model proposer: a small model with its own KV pool under the target's block tables.
 
 The draft sees the same positions as the target, so a request's block table serves both pools.
-`request.num_draft_computed_tokens` says how far the draft's KV is valid: a new or preempted
+`request.spec.num_computed_tokens` says how far the draft's KV is valid: a new or preempted
 request starts at 0. The first draft forward of a step reads, for each request that speculates,
 everything it has not seen (the last step's accepted and bonus tokens; more after sitting out),
 and, without logits, the chunks other requests are behind by (a prompt alongside the target's
@@ -47,14 +47,14 @@ class DraftProposer:
             for i in active:
                 r = requests[i]
                 if j == 0:
-                    start = min(r.num_draft_computed_tokens, r.num_tokens - 1)
+                    start = min(r.spec.num_computed_tokens, r.num_tokens - 1)
                     step.add(r.tokens_slice(start, r.num_tokens), start, r.block_table, 1)
                 else:
                     step.add([tokens[i][-1]], r.num_tokens - 1 + j, r.block_table, 1)
-                r.num_draft_computed_tokens = step.start_positions[-1] + len(step.token_ids[-1])
+                r.spec.num_computed_tokens = step.start_positions[-1] + len(step.token_ids[-1])
             for r, end in catch_up if j == 0 else ():
-                step.add(r.tokens_slice(r.num_draft_computed_tokens, end), r.num_draft_computed_tokens, r.block_table, 0)
-                r.num_draft_computed_tokens = end
+                step.add(r.tokens_slice(r.spec.num_computed_tokens, end), r.spec.num_computed_tokens, r.block_table, 0)
+                r.spec.num_computed_tokens = end
             logits = self.runner.run(step)
             if active:
                 drafting = [requests[i] for i in active]

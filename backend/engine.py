@@ -144,10 +144,7 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs:
             for runner in [self.runner] + ([proposer.runner] if isinstance(proposer, DraftProposer) else []):
                 runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
-        self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.num_tokens_emitted: dict[str, int] = {}  # request id -> output tokens already handed out
-        self.pending_logprobs: dict[str, list[dict]] = {}  # request id -> logprobs not handed out yet
+        self.requests: dict[str, Request] = {}  # request id -> everything about it, until its last output
         self._ids = itertools.count()
         self.fault_hook: FaultHook | None = None  # tests: make chosen requests raise in a step
         self.prompt_tokens_total = 0
@@ -205,9 +202,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValidationError("request_id", f"{request_id!r} is already running")
         request = Request(request_id, list(prompt_ids), params, eos_token_ids=self.eos_token_ids)
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
         self.requests[request_id] = request
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
-        self.num_tokens_emitted[request_id] = 0
         self.scheduler.add(request)
         self.prompt_tokens_total += len(prompt_ids)
         return request_id
@@ -241,7 +237,7 @@ class LLMEngine:
         started = time.perf_counter()
         batch, draft_probs = self._schedule()
         logits = self.runner.run(self.step_input(batch, self.in_flight)) if batch.requests else None
-        lookahead = [r.num_lookahead_tokens for r in batch.requests]  # _sample clears them
+        lookahead = [r.spec.num_lookahead_tokens for r in batch.requests]  # _sample clears them
         if logits is not None and self.speculator.proposer is not None:
             self.speculator.observe_forward(batch, lookahead, started)
         outputs = self._read_back()  # the step launched before this one (overlapped steps)
@@ -258,6 +254,8 @@ class LLMEngine:
         drafts the budget granted. Returns the batch and the draft distributions by request id."""
         self.speculator.reserve(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
+        for request in batch.preempted:  # its draft KV went with its blocks
+            request.spec.drop_drafts()
         if not batch.requests:
             return batch, {}
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
@@ -293,10 +291,10 @@ class LLMEngine:
             if request.num_computed_tokens + n >= request.num_tokens_with_spec:
                 sampled.append(request)
             request.num_computed_tokens += n
-            request.num_lookahead_tokens = 0
+            request.spec.num_lookahead_tokens = 0
         if not sampled:
             return None
-        drafts = [r.spec_token_ids for r in sampled]
+        drafts = [r.spec.draft_token_ids for r in sampled]
         meta = build_sampling_metadata(sampled, drafts, self.vocab_size, self.sampler.generator, self.device)
         q = None  # [D, vocab] the draft model's distributions; None: one-hot drafts (n-gram, greedy)
         per_request = [draft_probs.get(r.request_id) for r in sampled]
@@ -305,7 +303,7 @@ class LLMEngine:
                            for p, d in zip(per_request, drafts)])
         for request in sampled:
             request.num_pending_tokens += 1
-            request.spec_token_ids = []
+            request.spec.draft_token_ids = []
         output = self.sampler(logits, meta, q)
         host = output.to("cpu", non_blocking=True)
         ready = None
@@ -339,7 +337,7 @@ class LLMEngine:
                 num_accepted = len(new) - 1
                 self.speculator.record(request, k, num_accepted)
                 request.num_computed_tokens -= k - num_accepted  # roll back the rejected positions
-                request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
+                request.spec.num_computed_tokens = min(request.spec.num_computed_tokens, request.num_computed_tokens)
             entries = [self._logprob_entry(logprobs.get(row), token, request.params.logprobs)
                        for row, token in zip(rows, new)]
             # trim: no block stays for rejected positions
@@ -379,7 +377,7 @@ class LLMEngine:
         go on as if it had finished."""
         log.error("request %s failed in a step; the others go on", request.request_id, exc_info=error)
         request.num_pending_tokens = 0
-        request.spec_token_ids, request.num_lookahead_tokens = [], 0
+        request.spec.draft_token_ids, request.spec.num_lookahead_tokens = [], 0
         request.error = INTERNAL_ERROR
         self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
         return self._output(request)
@@ -388,12 +386,12 @@ class LLMEngine:
         """Append tokens one at a time, stopping exactly where the request finishes."""
         if self.fault_hook is not None:
             self.fault_hook(request)
-        detok = self.detokenizers[request.request_id]
+        detok = request.detokenizer
         p = request.params
         for token, lp in zip(tokens, logprobs):
             request.output_token_ids.append(token)
             if lp is not None:
-                self.pending_logprobs.setdefault(request.request_id, []).append(lp)
+                request.pending_logprobs.append(lp)
             self.generation_tokens_total += 1
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
@@ -414,24 +412,23 @@ class LLMEngine:
         """The request's news since its previous output; forgets the request once finished."""
         rid = request.request_id
         finished = request.is_finished
-        start = self.num_tokens_emitted[rid]
-        self.num_tokens_emitted[rid] = request.num_output_tokens
+        start, request.num_emitted_tokens = request.num_emitted_tokens, request.num_output_tokens
+        logprobs, request.pending_logprobs = request.pending_logprobs or None, []
         out = RequestOutput(
             request_id=rid,
-            text="" if request.error else self.detokenizers[rid].take_delta(finished),
+            text="" if request.error else request.detokenizer.take_delta(finished),
             token_ids=request.output_token_ids[start:],
             finished=finished,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            logprobs=self.pending_logprobs.pop(rid, None),
+            logprobs=logprobs,
             error=request.error,
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
+            num_draft_tokens=request.spec.num_draft_tokens,
+            num_accepted_tokens=request.spec.num_accepted_tokens,
         )
         if finished:
-            del self.requests[rid], self.detokenizers[rid], self.num_tokens_emitted[rid]
-            self.speculator.forget(request)
+            del self.requests[rid]
         return out
 
     def stats(self) -> EngineStats:

@@ -1,13 +1,19 @@
-"""One generation request and its life cycle in the engine."""
+"""One generation request and everything the engine keeps about it, from arrival to its last output."""
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from backend.detokenizer import IncrementalDetokenizer
+    from backend.spec_controller import Survival
 
 
 class RequestStatus(enum.Enum):
@@ -34,6 +40,23 @@ FINISH_REASONS = {
 
 
 @dataclass(slots=True)
+class SpecState:
+    """A request's speculative decoding, kept by the speculator; reset when it is preempted (its
+    draft KV goes with its blocks), counters and measurements kept."""
+    draft_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
+    num_lookahead_tokens: int = 0  # draft tokens the scheduler reserves room for this step
+    num_computed_tokens: int = 0  # tokens whose K/V are in the draft model's pool
+    num_draft_tokens: int = 0  # drafted so far
+    num_accepted_tokens: int = 0  # of those, accepted
+    survival: Survival | None = None  # its own acceptance counts, once it has verified drafts
+    expected_yield: np.ndarray | None = None  # E(0..max_k) as this step's plan expects it
+
+    def drop_drafts(self) -> None:
+        """The draft's KV is gone (preemption): nothing reserved, nothing to verify, read again."""
+        self.draft_token_ids, self.num_lookahead_tokens, self.num_computed_tokens = [], 0, 0
+
+
+@dataclass(slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -45,9 +68,6 @@ class Request:
     block_table: list[int] = field(default_factory=list)  # logical block -> physical block id
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     cached_chain_hash: int | None = None  # chain hash of the last of those blocks
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
-    num_lookahead_tokens: int = 0  # draft tokens the scheduler reserves room for this step
-    num_draft_computed_tokens: int = 0  # tokens whose K/V are in the draft model's pool
     num_pending_tokens: int = 0  # sampled on the device, not read back yet (overlapped steps)
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     # timestamps (time.monotonic())
@@ -55,9 +75,11 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    # speculative decoding counters
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    spec: SpecState = field(default_factory=SpecState)
+    # outputs: the engine detokenizes as tokens come and hands out what is new
+    detokenizer: IncrementalDetokenizer | None = None
+    num_emitted_tokens: int = 0  # output tokens already handed out
+    pending_logprobs: list[dict] = field(default_factory=list)  # logprobs not handed out yet
     num_preemptions: int = 0
     error: str | None = None
 
@@ -80,7 +102,7 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         """Tokens to compute up to: known ones, those still on the device, and draft tokens."""
-        return self.num_tokens + self.num_pending_tokens + self.num_lookahead_tokens
+        return self.num_tokens + self.num_pending_tokens + self.spec.num_lookahead_tokens
 
     @property
     def length_done_once_pending_land(self) -> bool:
@@ -106,8 +128,8 @@ class Request:
         if start >= num_prompt:
             tail = self.output_token_ids[start - num_prompt : end - num_prompt]
             missing = end - start - len(tail)
-            if missing > 0 and self.spec_token_ids:
+            if missing > 0 and self.spec.draft_token_ids:
                 first = max(start - self.num_tokens, 0)
-                tail = tail + self.spec_token_ids[first : first + missing]
+                tail = tail + self.spec.draft_token_ids[first : first + missing]
             return tail
-        return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]
+        return (self.prompt_token_ids + self.output_token_ids + self.spec.draft_token_ids)[start:end]

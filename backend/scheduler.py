@@ -95,9 +95,6 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.num_lookahead_tokens = 0
-        request.num_draft_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -110,6 +107,5 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request)
-        request.spec_token_ids = []
         request.status = status
         request.finished_time = time.monotonic()

@@ -116,7 +116,6 @@ class SpecController:
         self.draft_first_cost = LinearCost()  # a step's first draft forward (catch-up), by tokens
         self.draft_cost = LinearCost()  # each further draft forward, by requests
         self.batch_survival = Survival(max_k)
-        self.survival: dict[str, Survival] = {}  # request id -> its own counts
         self.num_plans = 0
         self.expected: np.ndarray | None = None  # the latest adaptive plan's E(0..max_k) per request
 
@@ -131,7 +130,7 @@ class SpecController:
         reached = np.zeros((len(requests), self.max_k))
         survived = np.zeros((len(requests), self.max_k))
         for i, r in enumerate(requests):
-            own = self.survival.get(r.request_id)
+            own = r.spec.survival
             if own is not None:
                 reached[i], survived[i] = own.reached, own.survived
         curves = np.minimum.accumulate((survived + SHRINK_COUNT * batch) / (reached + SHRINK_COUNT), axis=1)
@@ -158,7 +157,7 @@ class SpecController:
         draft_seconds = np.array([self.draft_seconds(num, k, catch_up) for k in range(self.max_k + 1)])
         caps = np.argmax(expected / (1 + draft_seconds / max(plain_seconds, 1e-9)), axis=1)
         for r, cap in zip(requests, caps):
-            own = self.survival.get(r.request_id)
+            own = r.spec.survival
             if cap == 0 and own is not None:  # sitting out, it measures nothing: fade its counts
                 own.add(0, 0, REQUEST_DECAY)
         best_ks, best_rate = np.zeros(num, dtype=int), num / max(plain_seconds, 1e-9)
@@ -185,10 +184,7 @@ class SpecController:
         if not num_draft:
             return
         self.batch_survival.add(num_draft, num_accepted, BATCH_DECAY)
-        own = self.survival.setdefault(request.request_id, Survival(self.max_k))
+        own = request.spec.survival = request.spec.survival or Survival(self.max_k)
         own.add(num_draft, num_accepted, REQUEST_DECAY)
-        request.num_draft_tokens += num_draft
-        request.num_accepted_tokens += num_accepted
-
-    def forget(self, request: Request) -> None:
-        self.survival.pop(request.request_id, None)
+        request.spec.num_draft_tokens += num_draft
+        request.spec.num_accepted_tokens += num_accepted

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from backend.draft_proposer import DraftProposer
@@ -177,7 +176,6 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.catching_up = False  # this step's draft reads more than the last step's tokens
         self.catch_up_seconds = 0.0  # ... and what that costs beyond a usual first draft forward
-        self.expected_yield: dict[str, np.ndarray] = {}  # request id -> E(0..max_k) as planned this step
         self.yield_correction = 0.0  # this step's expected minus realized verification yields
         self.proposed_per_position = [0] * max_k  # draft position i -> tokens proposed there
         self.accepted_per_position = [0] * max_k  # draft position i -> tokens accepted there
@@ -211,7 +209,8 @@ class Speculator:
     def reserve(self, running: list[Request], max_model_len: int) -> None:
         """Choose k per decoding request and reserve room for its draft tokens."""
         self.catching_up, self.catch_up_seconds = False, 0.0
-        self.expected_yield.clear()
+        for r in running:  # expected yields are this step's plan's
+            r.spec.expected_yield = None
         self.yield_correction = 0.0
         if self.proposer is None:
             return
@@ -231,15 +230,15 @@ class Speculator:
                 continue
             self.wants_drafts = True
             if expected is not None:
-                self.expected_yield[r.request_id] = expected[i]
+                r.spec.expected_yield = expected[i]
             if isinstance(self.proposer, NgramProposer):
-                r.spec_token_ids = self.proposer.lookup(r.all_token_ids, k)
-                r.num_lookahead_tokens = len(r.spec_token_ids)
+                r.spec.draft_token_ids = self.proposer.lookup(r.all_token_ids, k)
+                r.spec.num_lookahead_tokens = len(r.spec.draft_token_ids)
                 continue
-            behind = r.num_tokens - r.num_draft_computed_tokens
+            behind = r.num_tokens - r.spec.num_computed_tokens
             if behind <= budget:  # else it catches up first (`propose` reads what budget is left)
                 budget -= behind
-                r.num_lookahead_tokens = k
+                r.spec.num_lookahead_tokens = k
 
     def propose(self, batch: ScheduledBatch, running: list[Request]) -> dict[str, torch.Tensor]:
         """Fit the reservations to what was scheduled, then run the draft model. Returns the
@@ -250,26 +249,26 @@ class Speculator:
         scheduled = set()
         for r, n in zip(batch.requests, batch.num_scheduled_tokens):
             scheduled.add(r.request_id)
-            if not r.num_lookahead_tokens:
+            if not r.spec.num_lookahead_tokens:
                 continue
             k = n - (r.num_tokens - r.num_computed_tokens)  # the budget may have cut it short
-            r.num_lookahead_tokens = max(k, 0)
-            r.spec_token_ids = r.spec_token_ids[: r.num_lookahead_tokens]
+            r.spec.num_lookahead_tokens = max(k, 0)
+            r.spec.draft_token_ids = r.spec.draft_token_ids[: r.spec.num_lookahead_tokens]
             if k > 0 and isinstance(self.proposer, DraftProposer):
                 to_draft.append(r)
                 ks.append(k)
         for r in running:  # reserved but not scheduled this step
-            if r.num_lookahead_tokens and r.request_id not in scheduled:
-                r.num_lookahead_tokens, r.spec_token_ids = 0, []
+            if r.spec.num_lookahead_tokens and r.request_id not in scheduled:
+                r.spec.num_lookahead_tokens, r.spec.draft_token_ids = 0, []
         if not isinstance(self.proposer, DraftProposer):
             return {}
-        behind = sum(r.num_tokens - r.num_draft_computed_tokens for r in to_draft)
+        behind = sum(r.num_tokens - r.spec.num_computed_tokens for r in to_draft)
         catch_up = self._catch_up_rows(batch, self.draft_budget - behind) if self.wants_drafts else []
         if not to_draft and not catch_up:
             return {}
         # a draft that sat out steps (or is new) first reads what it missed; when that dominates
         # the step, its cost beyond a usual first forward is estimated for the mode chooser
-        behind += sum(end - r.num_draft_computed_tokens for r, end in catch_up)
+        behind += sum(end - r.spec.num_computed_tokens for r, end in catch_up)
         usual = sum(k + 1 for k in ks)
         self.catching_up = behind > 2 * usual
         first = self.controller.draft_first_cost
@@ -278,7 +277,7 @@ class Speculator:
         proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward, catch_up)
         probs = {}
         for r, (tokens, q) in zip(to_draft, proposals):
-            r.spec_token_ids = tokens
+            r.spec.draft_token_ids = tokens
             probs[r.request_id] = q
         return probs
 
@@ -292,9 +291,9 @@ class Speculator:
         for r, n in zip(batch.requests, batch.num_scheduled_tokens):
             if budget <= 0:
                 break
-            start = r.num_draft_computed_tokens
+            start = r.spec.num_computed_tokens
             end = min(r.num_computed_tokens + n, r.num_tokens - 1, start + budget)
-            if r.num_lookahead_tokens or not r.params.speculative or end <= start:
+            if r.spec.num_lookahead_tokens or not r.params.speculative or end <= start:
                 continue
             rows.append((r, end))
             budget -= end - start
@@ -315,12 +314,8 @@ class Speculator:
         # with speculation on, new requests' drafts reading their prompts are part of its rate
         self.modes.observe(any(lookahead), len(batch.requests), num_new_tokens + self.yield_correction, seconds)
 
-    def forget(self, request: Request) -> None:
-        """The request finished: drop what was measured about it."""
-        self.controller.forget(request)
-
     def record(self, request: Request, k: int, num_accepted: int) -> None:
-        expected = self.expected_yield.pop(request.request_id, None)
+        expected, request.spec.expected_yield = request.spec.expected_yield, None
         if expected is not None:
             self.yield_correction += expected[k] - (num_accepted + 1)
         self.controller.observe(request, k, num_accepted)

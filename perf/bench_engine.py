@@ -157,7 +157,8 @@ def instrument(engine: LLMEngine, timer: PhaseTimer, kv: KVStats) -> None:
     runner.run = timer.wrap("run", runner.run)
     attention.forward = timer.wrap("attention", attention.forward)
     attention.rotate_and_store = timer.wrap("rotate_and_store", attention.rotate_and_store)
-    engine.update = timer.wrap("update", engine.update)
+    engine._sample = timer.wrap("sample", engine._sample)
+    engine._read_back = timer.wrap("read_back", engine._read_back)
 
 
 def run_engine(engine: LLMEngine, workload: Workload, progress: bool) -> RunResult:
@@ -290,7 +291,8 @@ def report(results: list[RunResult], kv: KVStats, timer: PhaseTimer, targets: di
         "forward: the rest (linears, norms, lm_head)": (
             t["run"] - t["prepare"] - t["attention"] - t["rotate_and_store"]
         ),
-        "update (sample, bookkeeping, detokenize)": t["update"],
+        "sample (rows and draws, the sampler)": t["sample"],
+        "read back (append, detokenize, outputs)": t["read_back"],
     }
     phases["outside these (step loop, outputs)"] = engine.wall_s - sum(phases.values())
     for name, s in phases.items():

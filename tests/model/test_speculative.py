@@ -90,8 +90,8 @@ def test_draft_reads_prompts_alongside_prefill_chunks_within_the_budget(tiny_lla
     second = engine.requests[engine.add_request(prompts[0] * 2, greedy)]
     while second.num_output_tokens == 0:  # its prompt in chunks, beside the first's verifications
         engine.step()
-        assert first.num_draft_tokens > 0
-        assert second.num_draft_computed_tokens == min(second.num_computed_tokens, second.num_prompt_tokens - 1)
+        assert first.spec.num_draft_tokens > 0
+        assert second.spec.num_computed_tokens == min(second.num_computed_tokens, second.num_prompt_tokens - 1)
     assert second.num_prompt_tokens > 24  # it took several chunks
 
 
@@ -106,14 +106,14 @@ def test_a_draft_left_behind_catches_up_in_chunks_before_speculating(tiny_llama)
     rid = engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     request, tokens, catch_up_steps = engine.requests[rid], [], 0
     while engine.has_unfinished_requests():
-        behind = request.num_tokens - request.num_draft_computed_tokens
+        behind = request.num_tokens - request.spec.num_computed_tokens
         drafted = engine.stats().spec_draft_tokens_total
         outputs = engine.step()
         tokens += [t for out in outputs for t in out.token_ids]
         if request.num_output_tokens > 1 and behind > 16:  # decoding, further behind than the budget
             catch_up_steps += 1
             assert engine.stats().spec_draft_tokens_total == drafted  # no drafts until caught up ...
-            assert request.num_tokens - request.num_draft_computed_tokens == behind + 1 - 16  # ... 16 at a time
+            assert request.num_tokens - request.spec.num_computed_tokens == behind + 1 - 16  # ... 16 at a time
     assert catch_up_steps >= 2 and max(reads) <= 16
     assert tokens == plain[0]
     assert engine.stats().spec_draft_tokens_total > 0

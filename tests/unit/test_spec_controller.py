@@ -8,12 +8,17 @@ from backend.spec_controller import SpecController, Survival
 from backend.speculator import EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, SWITCH_BUDGET, WARMUP_SAMPLES, ModeChooser
 
 
+def _own_survival(c: SpecController, r: Request) -> Survival:
+    r.spec.survival = r.spec.survival or Survival(c.max_k)
+    return r.spec.survival
+
+
 def _requests(c: SpecController, n: int, a: float, verifications: int = 200) -> list[Request]:
     """n requests whose every verification so far accepted each draft token with rate a, counted
     in expectation (survival a^i), the batch's curve the same."""
     reqs = [Request(str(i), [1], SamplingParams()) for i in range(n)]
     curve = a ** np.arange(1, c.max_k + 1)
-    for survival in [c.batch_survival] + [c.survival.setdefault(r.request_id, Survival(c.max_k)) for r in reqs]:
+    for survival in [c.batch_survival] + [_own_survival(c, r) for r in reqs]:
         survival.reached[:] = verifications
         survival.survived[:] = verifications * curve
     return reqs
@@ -61,7 +66,7 @@ def test_expected_tokens_follow_the_measured_survival_not_a_geometric_guess():
     """Accepting the first token makes the next likelier: the curve says so, one rate cannot."""
     c = SpecController(max_k=4)
     (r,) = _requests(c, 1, 0.5)
-    own = c.survival[r.request_id]
+    own = r.spec.survival
     own.reached[:], own.survived[:] = 1000, [600, 500, 450, 420]
     assert c.expected_tokens(r) == pytest.approx([1, 1.6, 2.1, 2.55, 2.97], abs=0.01)
 
@@ -89,16 +94,16 @@ def test_a_costly_first_draft_forward_favours_longer_drafts():
     assert front_loaded.plan(_requests(front_loaded, 1, 0.6)) == [4]
 
 
-def test_survival_counts_verifications_and_forgets_finished_requests():
+def test_survival_counts_verifications_in_the_batch_and_the_request():
     c = SpecController(max_k=3)
     r = Request("r", [1], SamplingParams())
     c.observe(r, 3, 1)  # first accepted, second rejected
     c.observe(r, 2, 2)  # both accepted
     assert c.batch_survival.reached.tolist() == pytest.approx([0.99 + 1, 0.99 + 1, 0.99])
     assert c.batch_survival.survived.tolist() == pytest.approx([0.99 + 1, 1, 0])
-    assert (r.num_draft_tokens, r.num_accepted_tokens) == (5, 3)
-    c.forget(r)
-    assert r.request_id not in c.survival
+    assert (r.spec.num_draft_tokens, r.spec.num_accepted_tokens) == (5, 3)
+    assert r.spec.survival.reached.tolist() == pytest.approx([0.95 + 1, 0.95 + 1, 0.95])
+    assert r.spec.survival.survived.tolist() == pytest.approx([0.95 + 1, 1, 0])
 
 
 def test_a_request_that_sat_out_is_tried_again():
@@ -273,8 +278,8 @@ def test_speculator_counts_a_verification_by_its_expected_yield():
     r = Request("r", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams())  # repeats: the lookup proposes
     r.num_computed_tokens = r.num_tokens - 1
     spec.reserve([r], max_model_len=100)
-    k = r.num_lookahead_tokens
-    assert k > 0 and r.spec_token_ids
+    k = r.spec.num_lookahead_tokens
+    assert k > 0 and r.spec.draft_token_ids
     expected = spec.controller.expected_tokens(r)[k]
     spec.record(r, k, 0)  # every draft token rejected: 1 token realized
     assert spec.yield_correction == pytest.approx(expected - 1)
