@@ -12,11 +12,11 @@ the target's num_computed_tokens at most.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
 from backend.model_runner import ModelRunner, StepInput
+from backend.proposer import DraftClock, Proposal
 from backend.request import Request
 from backend.sampler import Sampler
 from backend.sampling_metadata import build_sampling_metadata
@@ -28,10 +28,11 @@ class DraftProposer:
         self.sampler = sampler  # the engine's: unseeded requests draw from its generator
         self.vocab_size = vocab_size
 
-    def propose(
-        self, requests: list[Request], ks: list[int], clock: Callable[[int, int, int, float], None] | None = None,
-        catch_up: list[tuple[Request, int]] = (),
-    ) -> list[tuple[list[int], torch.Tensor | None]]:
+    def num_available(self, request: Request, k: int) -> int:
+        return k
+
+    def propose(self, requests: list[Request], ks: list[int], clock: DraftClock | None = None,
+                catch_up: list[tuple[Request, int]] = ()) -> list[Proposal]:
         """k_r draft tokens per request and the draft distributions they were drawn from (None for
         a greedy request: its verification compares argmaxes and needs no distribution).
         `catch_up` (request, end) rows are only read, in the first forward: the draft's KV for
@@ -67,4 +68,4 @@ class DraftProposer:
                         probs[i].append(out.probs[row])
             if clock is not None:
                 clock(j, sum(len(t) for t in step.token_ids), len(active), started)
-        return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]

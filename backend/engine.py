@@ -37,6 +37,7 @@ from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
 from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
+from backend.proposer import Proposer
 from backend.sampler import PLACEHOLDER_TOKEN, Sampler, SamplerOutput
 from backend.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.speculator import Speculator
@@ -128,7 +129,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
-        proposer: DraftProposer | NgramProposer | None = None
+        proposer: Proposer | None = None
         if self.draft_model is not None:
             draft_runner = ModelRunner(
                 self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.draft_dtype
@@ -142,7 +143,7 @@ class LLMEngine:
         self.overlap = overlap and proposer is None
         self.in_flight: InFlightStep | None = None  # overlapped steps: the one launched last
         if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs:
-            for runner in [self.runner] + ([proposer.runner] if isinstance(proposer, DraftProposer) else []):
+            for runner in [self.runner] + ([proposer.runner] if proposer is not None and proposer.runner else []):
                 runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.requests: dict[str, Request] = {}  # request id -> everything about it, until its last output
         self._ids = itertools.count()

@@ -10,12 +10,24 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from backend.proposer import DraftClock, Proposal
+from backend.request import Request
+
 
 
 class NgramProposer:
+    runner = None  # a lookup: no forward, nothing to catch up on
+
     def __init__(self, min_ngram: int = 1, max_ngram: int = 4):
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
+
+    def num_available(self, request: Request, k: int) -> int:
+        return len(self.lookup(request.all_token_ids, k))
+
+    def propose(self, requests: list[Request], ks: list[int], clock: DraftClock | None = None,
+                catch_up: list[tuple[Request, int]] = ()) -> list[Proposal]:
+        return [Proposal(self.lookup(r.all_token_ids, k), None) for r, k in zip(requests, ks)]
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         n_tokens = len(token_ids)

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.draft_proposer import DraftProposer
-from backend.ngram_proposer import NgramProposer
+from backend.proposer import Proposer
 from backend.request import Request
 from backend.scheduler import ScheduledBatch
 from backend.spec_controller import SpecController
@@ -163,13 +162,12 @@ class ModeChooser:
 
 
 class Speculator:
-    def __init__(self, proposer: DraftProposer | NgramProposer | None, max_k: int, adaptive: bool, device: torch.device,
-                 draft_budget: int):
+    def __init__(self, proposer: Proposer | None, max_k: int, adaptive: bool, device: torch.device, draft_budget: int):
         self.proposer = proposer
         self.draft_budget = draft_budget  # tokens a step's first draft forward may read
         self.wants_drafts = False  # this step's plan gave some request k > 0: the draft reads
         # prompt chunks and the backlog of requests left behind alongside (within the budget)
-        self.controller = SpecController(max_k, adaptive, free_drafts=isinstance(proposer, NgramProposer))
+        self.controller = SpecController(max_k, adaptive, free_drafts=proposer is not None and proposer.runner is None)
         self.modes = ModeChooser()
         self.device = device
         self.num_draft_tokens = 0
@@ -231,18 +229,17 @@ class Speculator:
             self.wants_drafts = True
             if expected is not None:
                 r.spec.expected_yield = expected[i]
-            if isinstance(self.proposer, NgramProposer):
-                r.spec.draft_token_ids = self.proposer.lookup(r.all_token_ids, k)
-                r.spec.num_lookahead_tokens = len(r.spec.draft_token_ids)
-                continue
-            behind = r.num_tokens - r.spec.num_computed_tokens
-            if behind <= budget:  # else it catches up first (`propose` reads what budget is left)
+            k = self.proposer.num_available(r, k)
+            if self.proposer.runner is not None:
+                behind = r.num_tokens - r.spec.num_computed_tokens
+                if behind > budget:  # it catches up first (`propose` reads what budget is left)
+                    continue
                 budget -= behind
-                r.spec.num_lookahead_tokens = k
+            r.spec.num_lookahead_tokens = k
 
-    def propose(self, batch: ScheduledBatch, running: list[Request]) -> dict[str, torch.Tensor]:
-        """Fit the reservations to what was scheduled, then run the draft model. Returns the
-        draft distributions by request id (none for the n-gram proposer)."""
+    def propose(self, batch: ScheduledBatch, running: list[Request]) -> dict[str, torch.Tensor | None]:
+        """Fit the reservations to what was scheduled, then propose. Returns the draft
+        distributions by request id (None: one-hot on the drafts)."""
         if self.proposer is None:
             return {}
         to_draft, ks = [], []
@@ -253,32 +250,30 @@ class Speculator:
                 continue
             k = n - (r.num_tokens - r.num_computed_tokens)  # the budget may have cut it short
             r.spec.num_lookahead_tokens = max(k, 0)
-            r.spec.draft_token_ids = r.spec.draft_token_ids[: r.spec.num_lookahead_tokens]
-            if k > 0 and isinstance(self.proposer, DraftProposer):
+            if k > 0:
                 to_draft.append(r)
                 ks.append(k)
         for r in running:  # reserved but not scheduled this step
             if r.spec.num_lookahead_tokens and r.request_id not in scheduled:
                 r.spec.num_lookahead_tokens, r.spec.draft_token_ids = 0, []
-        if not isinstance(self.proposer, DraftProposer):
-            return {}
-        behind = sum(r.num_tokens - r.spec.num_computed_tokens for r in to_draft)
-        catch_up = self._catch_up_rows(batch, self.draft_budget - behind) if self.wants_drafts else []
+        catch_up = []
+        if self.proposer.runner is not None and self.wants_drafts:
+            behind = sum(r.num_tokens - r.spec.num_computed_tokens for r in to_draft)
+            catch_up = self._catch_up_rows(batch, self.draft_budget - behind)
+            # a draft that sat out steps (or is new) first reads what it missed; when that dominates
+            # the step, its cost beyond a usual first forward is estimated for the mode chooser
+            behind += sum(end - r.spec.num_computed_tokens for r, end in catch_up)
+            usual = sum(k + 1 for k in ks)
+            self.catching_up = behind > 2 * usual
+            first = self.controller.draft_first_cost
+            if self.catching_up and first.ready:
+                self.catch_up_seconds = max(first(behind) - first(usual), 0.0)
         if not to_draft and not catch_up:
             return {}
-        # a draft that sat out steps (or is new) first reads what it missed; when that dominates
-        # the step, its cost beyond a usual first forward is estimated for the mode chooser
-        behind += sum(end - r.spec.num_computed_tokens for r, end in catch_up)
-        usual = sum(k + 1 for k in ks)
-        self.catching_up = behind > 2 * usual
-        first = self.controller.draft_first_cost
-        if self.catching_up and first.ready:
-            self.catch_up_seconds = max(first(behind) - first(usual), 0.0)
-        proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward, catch_up)
         probs = {}
-        for r, (tokens, q) in zip(to_draft, proposals):
-            r.spec.draft_token_ids = tokens
-            probs[r.request_id] = q
+        for r, proposal in zip(to_draft, self.proposer.propose(to_draft, ks, self._clock_draft_forward, catch_up)):
+            r.spec.draft_token_ids = proposal.token_ids
+            probs[r.request_id] = proposal.probs
         return probs
 
     @staticmethod

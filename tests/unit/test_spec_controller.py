@@ -279,7 +279,7 @@ def test_speculator_counts_a_verification_by_its_expected_yield():
     r.num_computed_tokens = r.num_tokens - 1
     spec.reserve([r], max_model_len=100)
     k = r.spec.num_lookahead_tokens
-    assert k > 0 and r.spec.draft_token_ids
+    assert k > 0  # room reserved; the drafts come once the step is scheduled
     expected = spec.controller.expected_tokens(r)[k]
     spec.record(r, k, 0)  # every draft token rejected: 1 token realized
     assert spec.yield_correction == pytest.approx(expected - 1)
