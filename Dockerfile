@@ -16,4 +16,4 @@ COPY model_repository model_repository
 
 EXPOSE 8000 8001 8002
 # tritonserver is on PATH in this image, so the launcher uses it and its own Python backend
-CMD ["python3", "-m", "backend.launcher", "--model-repository", "/opt/specserve/model_repository"]
+CMD ["python3", "-m", "serving.launcher", "--model-repository", "/opt/specserve/model_repository"]

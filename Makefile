@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 serve: $(STAMP)
-	$(PY) -m backend.launcher $(SERVE_ARGS)
+	$(PY) -m serving.launcher $(SERVE_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(TEST_ARGS)

@@ -175,15 +175,15 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
-            raise ValidationError("text_input", "the prompt is empty")
+            raise ValidationError("prompt_token_ids", "the prompt is empty")
         vocab = self.model.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValidationError("input_ids", f"token ids must be in [0, {vocab})")
+            raise ValidationError("prompt_token_ids", f"token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValidationError("stop_token_ids", f"token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValidationError(
-                "text_input", f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}"
+                "prompt_token_ids", f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}"
             )
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValidationError(

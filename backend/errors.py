@@ -24,6 +24,11 @@ class ValidationError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def renamed(self, names: dict[str, str]) -> ValidationError:
+        """The same error under the name a serving adapter gives the field (engine -> input)."""
+        return ValidationError(names.get(self.field, self.field), self.message)
 
 
 def abbreviate(value: object, limit: int = 40) -> str:

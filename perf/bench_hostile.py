@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
+from serving.preprocessor import Preprocessor  # noqa: E402
 from client.stream import GenerationError, complete  # noqa: E402
 
 
@@ -81,9 +82,6 @@ def main() -> None:
         )
         url = handle.grpc_url
     try:
-        sys.path.insert(0, str(DEFAULT_MODEL_REPOSITORY / "preprocessing" / "1"))
-        from preprocessor import Preprocessor
-
         pre = Preprocessor.from_parameters({}, DEFAULT_MODEL_REPOSITORY)
         # text of ~1 byte per token: fits the byte bound, not the context, so it is tokenized
         just_in_bound = ("a " * pre.max_prompt_bytes)[: pre.max_prompt_bytes]

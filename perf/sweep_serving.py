@@ -1,6 +1,6 @@
 """One load, several servers: the engine without and with speculative decoding, and a baseline.
 
-Each variant is served by its own tritonserver (backend.launcher, free ports) from a model
+Each variant is served by its own tritonserver (serving.launcher, free ports) from a model
 repository generated for it in a temporary directory: the configs are copied with engine
 parameters overridden, the version directories are symbolic links to the originals. Then
 perf/bench_serving.py's load points run against it: every request rate (Poisson arrivals), then
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
 from perf.bench_serving import RESULTS_DIR, add_load_arguments, load_prompts, requests_for, run_benchmark  # noqa: E402
 from perf.serving_metrics import saturation_rate, sustainable_rate  # noqa: E402
 

@@ -80,10 +80,10 @@ def test_abort_frees_blocks_and_others_continue(engine):
 @pytest.mark.parametrize(
     "prompt,kwargs,field",
     [
-        ([], {}, "text_input"),
-        (list(range(3, 259)) * 2, {}, "text_input"),  # 512 tokens: the whole context
+        ([], {}, "prompt_token_ids"),
+        (list(range(3, 259)) * 2, {}, "prompt_token_ids"),  # 512 tokens: the whole context
         ([5] * 500, {"max_tokens": 20}, "max_tokens"),
-        ([999], {}, "input_ids"),
+        ([999], {}, "prompt_token_ids"),
     ],
 )
 def test_bad_requests_raise_and_engine_keeps_serving(engine, prompt, kwargs, field):

@@ -1,4 +1,4 @@
-"""A real tritonserver for the server tests: one per session, on free ports, via backend.launcher.
+"""A real tritonserver for the server tests: one per session, on free ports, via serving.launcher.
 
 It serves the repository's own model_repository. Where the default model has not been put in
 `model_repository/llm_engine/1/target`, the same configs are served with a tiny random Llama
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_server
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_server
 from tests.conftest import write_tiny_model
 
 pytestmark = pytest.mark.server

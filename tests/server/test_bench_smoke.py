@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.launcher import start_server
+from serving.launcher import start_server
 from perf.bench_serving import Workload, run_point
 from perf.serving_metrics import SLO
 from perf.sweep_serving import BASELINE_REPOSITORY, free_port, make_repository

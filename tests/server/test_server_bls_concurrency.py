@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend.launcher import DEFAULT_MODEL_REPOSITORY
+from serving.launcher import DEFAULT_MODEL_REPOSITORY
 from client.stream import generate
 
 pytestmark = pytest.mark.server

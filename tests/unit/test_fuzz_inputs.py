@@ -5,24 +5,17 @@ every field is valid or a ValidationError naming an input or a parameter; never 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backend.errors import ValidationError
-from backend.launcher import DEFAULT_MODEL_REPOSITORY
+from serving import request_inputs
 from backend.sampling_params import INT32_MAX, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 
-_spec = importlib.util.spec_from_file_location(
-    "preprocessing_request_inputs_fuzz", DEFAULT_MODEL_REPOSITORY / "preprocessing" / "1" / "request_inputs.py"
-)
-request_inputs = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(request_inputs)
 
 MAX_PROMPT_BYTES = 4096
 FIELDS = (

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from backend import launcher
+from serving import launcher
 
 
 def test_tritonserver_bin_comes_first(monkeypatch, tmp_path):

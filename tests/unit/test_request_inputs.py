@@ -1,22 +1,13 @@
 """The preprocessing model's input rules, without a server."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
 
 from backend.errors import ValidationError
-from backend.launcher import DEFAULT_MODEL_REPOSITORY
-
-_spec = importlib.util.spec_from_file_location(
-    "preprocessing_request_inputs",
-    DEFAULT_MODEL_REPOSITORY / "preprocessing" / "1" / "request_inputs.py",
-)
-request_inputs = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(request_inputs)
+from serving import request_inputs
 
 
 def _text(value: str) -> np.ndarray:

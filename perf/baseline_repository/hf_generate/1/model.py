@@ -10,26 +10,18 @@ group is seeded with its first request's seed.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
-
-def _extend_sys_path() -> None:
-    """The stub's embedded interpreter ignores PYTHONPATH, which the launcher sets."""
-    for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
-        if entry and entry not in sys.path:
-            sys.path.insert(0, entry)
-
-
-_extend_sys_path()
+REPO_ROOT = Path(__file__).resolve().parents[4]
+sys.path.insert(0, str(REPO_ROOT))
+import serving  # noqa: E402,F401  (puts PYTHONPATH's entries on sys.path: the stub ignores PYTHONPATH)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_MAX_TOKENS = 16
 
 

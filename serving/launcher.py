@@ -11,7 +11,7 @@ up `python3` on PATH. So this interpreter's bin directory goes first on PATH (in
 environment that makes the stub use the environment's site-packages, not the base Python's), and
 PYTHONPATH (this repository, then site-packages) is applied by the models' own `model.py`.
 
-    python -m backend.launcher --http-port 8000 --grpc-port 8001 --metrics-port 8002
+    python -m serving.launcher --http-port 8000 --grpc-port 8001 --metrics-port 8002
 """
 from __future__ import annotations
 

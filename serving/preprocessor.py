@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 from jinja2 import TemplateError
-from request_inputs import RequestOptions, parse_request
 from transformers import AutoTokenizer
 
 from backend.errors import ValidationError
 from backend.sampling_params import SamplingParams
+from serving.request_inputs import RequestOptions, parse_request
 
 DEFAULT_TOKENIZER = "llm_engine/1/target"  # relative to the model repository
 

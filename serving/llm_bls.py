@@ -1,0 +1,296 @@
+"""llm_bls: `llm`'s inputs and outputs as a decoupled Python model over llm_engine that can be cancelled.
+
+tritonserver 2.51 checks an ensemble request for cancellation only between steps, and its Python
+backend cannot cancel a BLS request. So this model does the `llm` ensemble's work itself and
+cancels through llm_engine's `abort_request_id` control input.
+
+`execute()` reads each request's inputs, hands them to a worker thread and returns None. The worker
+1. preprocesses them in-process with the `preprocessing` model's own code (a bad input ends the
+   request with INVALID_ARG);
+2. sends llm_engine the request through BLS streaming, under a fresh Triton request id;
+3. relays each engine response to the client as it comes, the last one flagged COMPLETE_FINAL.
+A cancelled client request (checked between responses, and by the watcher thread while a response
+is awaited) gets an abort sent to llm_engine, which frees its KV blocks at once. The worker then
+drains the engine stream without relaying it and ends the client request with an empty final
+response. Every request ends with exactly one COMPLETE_FINAL.
+
+At most ENGINE_CALLS_AWAITING_FIRST_RESPONSE workers wait in step 2 at once (see there); the others
+wait their turn here, in arrival order, and can be cancelled while they wait.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.errors import INTERNAL_ERROR, SHUTTING_DOWN, UNAVAILABLE_ERRORS, ValidationError
+from serving.preprocessor import Preprocessor
+
+ENGINE_MODEL = "llm_engine"
+ENGINE_OUTPUTS = [
+    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs", "error"
+]
+# How often each request is checked for cancellation (a round trip to the server each).
+POLL_INTERVAL_S = 0.05
+# How long finalize() waits for each worker; llm_engine ends the requests still in flight.
+FINALIZE_TIMEOUT_S = 30.0
+# The python backend runs every BLS exec() of this model on a thread pool in the server process
+# (the backend option thread-pool-size, default 32), which also carries every response this model
+# sends to its clients. With decoupled=True, exec() holds its pool thread until the engine's first
+# response, which for a request queued in the engine (past max_num_seqs) comes only when a running
+# request finishes. With 32 requests so queued, no client got a response until then. So at most
+# this many exec() calls wait at once, leaving the rest of the pool for responses and aborts; keep
+# it well below thread-pool-size.
+ENGINE_CALLS_AWAITING_FIRST_RESPONSE = 16
+
+
+@dataclass(slots=True)
+class Relay:
+    """One client request and the engine request it became."""
+
+    sender: object  # the client's pb_utils.InferenceResponseSender
+    engine_request_id: str  # the Triton request id of the forwarded request; aborts name it
+    next_check: float = 0.0  # time.monotonic() of the next is_cancelled() check
+    aborted: bool = False  # an abort went to llm_engine; nothing more is relayed
+    finished: bool = False  # the client has had its COMPLETE_FINAL
+    # guards the flags; held across is_cancelled() and the final send, so that the sender is
+    # never asked about a request that has ended
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(
+                "llm must be decoupled: model_transaction_policy { decoupled: true }"
+            )
+        parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        repository = Path(args["model_repository"]).parent  # args name the model's own directory
+        self.preprocessor = Preprocessor.from_parameters(parameters, repository)
+        self.input_names = [i["name"] for i in model_config["input"]]
+        # one request at a time: an HF fast tokenizer used from several threads at once may
+        # raise "Already borrowed"
+        self.preprocess_lock = threading.Lock()
+        self.lock = threading.Lock()  # guards relays and workers
+        self.relays: dict[str, Relay] = {}  # engine request id -> relay, until its worker ends
+        self.workers: set[threading.Thread] = set()
+        self.stopping = threading.Event()
+        self.engine_calls = Turnstile(ENGINE_CALLS_AWAITING_FIRST_RESPONSE)
+        self.watcher = threading.Thread(target=self._watch, name="llm-watcher", daemon=True)
+        self.watcher.start()
+        pb_utils.Logger.log_info(
+            f"llm: tokenizer {self.preprocessor.tokenizer_dir}, "
+            f"max_model_len {self.preprocessor.max_model_len}, forwarding to {ENGINE_MODEL}"
+        )
+
+    # -- Triton's thread: hand off, never block ---------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            inputs = {}
+            for name in self.input_names:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy().copy()  # the worker outlives the request
+            relay = Relay(request.get_response_sender(), uuid.uuid4().hex)
+            worker = threading.Thread(
+                target=self._serve, args=(relay, inputs), name="llm-worker", daemon=True
+            )
+            with self.lock:
+                self.relays[relay.engine_request_id] = relay
+                self.workers.add(worker)
+            worker.start()
+        return None
+
+    # -- worker thread, one per request -----------------------------------------------------------
+    def _serve(self, relay: Relay, inputs: dict[str, np.ndarray]) -> None:
+        try:
+            self._generate(relay, inputs)
+        except Exception as e:  # the request must still end, or its client waits forever
+            detail = "".join(traceback.format_exception(e))
+            pb_utils.Logger.log_error(f"llm: request {relay.engine_request_id}: {detail}")
+            self._finish(relay, _error_response(INTERNAL_ERROR))
+            self._abort(relay)  # the engine request, if any, has no one to relay it now
+        finally:
+            with self.lock:
+                del self.relays[relay.engine_request_id]
+                self.workers.discard(threading.current_thread())
+
+    def _generate(self, relay: Relay, inputs: dict[str, np.ndarray]) -> None:
+        try:
+            with self.preprocess_lock:
+                request = self.preprocessor(inputs)
+        except ValidationError as e:
+            self._finish(relay, _error_response(str(e), pb_utils.TritonError.INVALID_ARG))
+            return
+        keep_finish_reason = request.options.return_finish_reason
+        request.options.return_finish_reason = True  # a finish reason marks the last response
+        self._check_cancelled(relay)
+        engine_request = pb_utils.InferenceRequest(
+            model_name=ENGINE_MODEL,
+            # errors in band: the python backend never hands this model an error response that
+            # follows another response from llm_engine (the stream would never end)
+            inputs=[pb_utils.Tensor(n, a) for n, a in request.engine_inputs(in_band_errors=True).items()],
+            requested_output_names=ENGINE_OUTPUTS,
+            request_id=relay.engine_request_id,
+        )
+        if self._wait_for_turn(relay):
+            try:
+                responses = engine_request.exec(decoupled=True)  # returns at the first response
+            finally:
+                self.engine_calls.leave()
+            for response in responses:
+                self._check_cancelled(relay)
+                self._relay(relay, response, keep_finish_reason)
+        self._finish(relay)  # no-op if the engine's last response was relayed
+
+    def _wait_for_turn(self, relay: Relay) -> bool:
+        """Enter self.engine_calls (True), or give up: the request was cancelled (False; the
+        caller ends it) or the model is being unloaded (False, and the request ends here)."""
+        if self.engine_calls.enter(lambda: relay.aborted or self.stopping.is_set()):
+            return True
+        if not relay.aborted:
+            self._finish(relay, _shutting_down())
+        return False
+
+    def _relay(self, relay: Relay, response, keep_finish_reason: bool) -> None:
+        if relay.aborted or relay.finished:
+            return  # draining
+        if response.has_error():
+            self._finish(relay, pb_utils.InferenceResponse(error=response.error()))
+            return
+        tensors = response.output_tensors()
+        if not tensors:
+            return  # the engine's empty final response
+        error = _text(tensors, "error")
+        if error:
+            code = pb_utils.TritonError.UNAVAILABLE if error in UNAVAILABLE_ERRORS else None
+            self._finish(relay, _error_response(error, code))
+            return
+        last = _text(tensors, "finish_reason") != ""
+        if not keep_finish_reason:
+            tensors = [t for t in tensors if t.name() != "finish_reason"]
+        response = pb_utils.InferenceResponse(output_tensors=tensors)
+        if last:
+            self._finish(relay, response)
+        else:
+            relay.sender.send(response)
+
+    def _finish(self, relay: Relay, response=None) -> None:
+        """Send the client request's one COMPLETE_FINAL (with `response`, if any)."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        with relay.lock:
+            if relay.finished:
+                return
+            relay.finished = True
+            if response is None:
+                relay.sender.send(flags=final)
+            else:
+                relay.sender.send(response, flags=final)
+
+    # -- cancellation: worker and watcher threads -------------------------------------------------
+    def _watch(self) -> None:
+        """Checks requests awaiting a response (a prefill, a queue) for cancellation."""
+        while not self.stopping.wait(POLL_INTERVAL_S):
+            with self.lock:
+                relays = list(self.relays.values())
+            for relay in relays:
+                try:
+                    self._check_cancelled(relay)
+                except Exception as e:
+                    pb_utils.Logger.log_error(f"llm: watcher: {e!r}")
+
+    def _check_cancelled(self, relay: Relay) -> None:
+        now = time.monotonic()
+        with relay.lock:
+            if relay.aborted or relay.finished or now < relay.next_check:
+                return
+            relay.next_check = now + POLL_INTERVAL_S
+            cancelled = relay.sender.is_cancelled()
+        if cancelled:
+            self._abort(relay)
+
+    def _abort(self, relay: Relay) -> None:
+        """Have llm_engine abort the forwarded request (or, if it has not arrived yet, abort it
+        on arrival); its stream then ends with an empty final response."""
+        with relay.lock:
+            if relay.aborted:
+                return
+            relay.aborted = True
+        abort_request_id = np.array([relay.engine_request_id.encode()], dtype=np.object_)
+        request = pb_utils.InferenceRequest(
+            model_name=ENGINE_MODEL,
+            inputs=[pb_utils.Tensor("abort_request_id", abort_request_id)],
+            requested_output_names=[],
+        )
+        for response in request.exec(decoupled=True):
+            if response.has_error():
+                pb_utils.Logger.log_error(f"llm: abort failed: {response.error().message()}")
+
+    def finalize(self):
+        """Stop the watcher, wait for the workers; a request still open ends with UNAVAILABLE."""
+        self.stopping.set()
+        self.watcher.join()
+        with self.lock:
+            workers = list(self.workers)
+        for worker in workers:
+            worker.join(FINALIZE_TIMEOUT_S)
+        with self.lock:
+            relays = list(self.relays.values())
+        for relay in relays:
+            self._finish(relay, _shutting_down())
+
+
+class Turnstile:
+    """At most `limit` threads inside at once, let in in arrival order. A waiting thread checks
+    `give_up()` every POLL_INTERVAL_S and leaves the queue when it returns true."""
+
+    def __init__(self, limit: int):
+        self.free = limit
+        self.queue: deque = deque()  # one ticket per waiting thread, oldest first
+        self.changed = threading.Condition()
+
+    def enter(self, give_up) -> bool:
+        ticket = object()
+        with self.changed:
+            self.queue.append(ticket)
+            try:
+                while self.queue[0] is not ticket or self.free == 0:
+                    if give_up():
+                        return False
+                    self.changed.wait(POLL_INTERVAL_S)
+                self.free -= 1
+                return True
+            finally:
+                self.queue.remove(ticket)
+                self.changed.notify_all()  # the next in line may go
+
+    def leave(self) -> None:
+        with self.changed:
+            self.free += 1
+            self.changed.notify_all()
+
+
+def _text(tensors: list, name: str) -> str:
+    for tensor in tensors:
+        if tensor.name() == name:
+            value = tensor.as_numpy().reshape(-1)
+            return value[0].decode("utf-8") if value.size else ""
+    return ""
+
+
+def _error_response(message: str, code=None):
+    code = pb_utils.TritonError.INTERNAL if code is None else code
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def _shutting_down():
+    return _error_response(SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)
