@@ -237,10 +237,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         batch, draft_probs = self._schedule()
+        forward_started = time.perf_counter()
         logits = self.runner.run(self.step_input(batch, self.in_flight)) if batch.requests else None
         lookahead = [r.spec.num_lookahead_tokens for r in batch.requests]  # _sample clears them
-        if logits is not None and self.speculator.proposer is not None:
-            self.speculator.observe_forward(batch, lookahead, started)
+        if logits is not None and self.speculator.proposer is not None:  # adaptive k times the target's forwards
+            self.speculator.observe_forward(batch, lookahead, forward_started)
         outputs = self._read_back()  # the step launched before this one (overlapped steps)
         if logits is not None:
             self.in_flight = self._sample(batch, logits, draft_probs)
@@ -428,6 +429,8 @@ class LLMEngine:
             num_draft_tokens=request.spec.num_draft_tokens,
             num_accepted_tokens=request.spec.num_accepted_tokens,
         )
+        if finished and request.first_scheduled_time is not None:
+            out.queue_seconds = request.first_scheduled_time - request.arrival_time
         if finished:
             del self.requests[rid]
         return out

@@ -17,3 +17,4 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason == "error"
     num_draft_tokens: int = 0  # total proposed by speculation so far
     num_accepted_tokens: int = 0  # total accepted so far
+    queue_seconds: float | None = None  # on the final output: arrival to first scheduled (None: never scheduled)

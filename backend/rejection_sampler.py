@@ -32,28 +32,34 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def rejection_sample(
-    greedy_tokens: torch.Tensor,  # [R] int64: each row's argmax (after penalties)
+    greedy_tokens: torch.Tensor | None,  # [R] int64: each row's argmax (after penalties); None: no greedy request
     probs: torch.Tensor | None,  # [R, vocab] p of each row; None when every request is greedy
     draft_probs: torch.Tensor | None,  # [D, vocab] q of each draft token; None: one-hot on it
     meta: SamplingMetadata,
 ) -> torch.Tensor:  # [B, max_k + 1] int64, PLACEHOLDER_TOKEN past each request's last token
     num_requests, max_k = len(meta.requests), meta.max_k
-    device = greedy_tokens.device
     drafts = meta.draft_token_ids  # [D]
+    device = drafts.device
+    if max_k == 0:  # no drafts: one row per request, each the bonus case
+        if probs is None:
+            return greedy_tokens[:, None]
+        sampled = inverse_cdf(probs, meta.uniform_last)
+        return (sampled if greedy_tokens is None else torch.where(meta.greedy, greedy_tokens, sampled))[:, None]
     num_accepted = torch.zeros(num_requests, dtype=torch.int64, device=device)
     if drafts.numel():
         target_rows = meta.first_row[meta.draft_request] + meta.draft_position  # [D]
-        accepted = drafts == greedy_tokens[target_rows]
+        accepted = drafts == greedy_tokens[target_rows] if greedy_tokens is not None else None
         if probs is not None:
             p_d = probs[target_rows, drafts]
             q_d = draft_probs.gather(1, drafts[:, None])[:, 0] if draft_probs is not None else torch.ones_like(p_d)
-            accepted = torch.where(meta.greedy[meta.draft_request], accepted, meta.uniform_drafts * q_d < p_d)
+            by_ratio = meta.uniform_drafts * q_d < p_d
+            accepted = by_ratio if accepted is None else torch.where(meta.greedy[meta.draft_request], accepted, by_ratio)
         rejected = torch.zeros(num_requests, max_k, dtype=torch.bool, device=device)
         rejected[meta.draft_request, meta.draft_position] = ~accepted
         # the walk stops at the first rejection, or after all k_b
         num_accepted = torch.where(rejected.any(1), rejected.int().argmax(1), meta.num_drafts_t)
     last_rows = meta.first_row + num_accepted  # [B] the row the last token comes from
-    last = greedy_tokens[last_rows]
+    last = greedy_tokens[last_rows] if greedy_tokens is not None else None
     if probs is not None:
         p_last = probs[last_rows]  # [B, vocab]
         dist = p_last
@@ -68,7 +74,8 @@ def rejection_sample(
             total = residual.sum(-1, keepdim=True)
             # the residual sums to 0 only when p == q, where rejection has probability 0: keep p
             dist = torch.where(total > 0, residual / total.clamp_min(1e-30), p_last)
-        last = torch.where(meta.greedy, last, inverse_cdf(dist, meta.uniform_last))
+        sampled = inverse_cdf(dist, meta.uniform_last)
+        last = sampled if last is None else torch.where(meta.greedy, last, sampled)
     token_ids = torch.full((num_requests, max_k + 1), PLACEHOLDER_TOKEN, dtype=torch.int64, device=device)
     if drafts.numel():
         token_ids[meta.draft_request, meta.draft_position] = drafts

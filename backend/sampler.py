@@ -108,8 +108,8 @@ class Sampler:
     ) -> SamplerOutput:
         raw = logits.clone() if meta.logprob_rows else None
         x = apply_penalties(logits, meta)
-        greedy_tokens = x.argmax(-1)  # [R]
         probs = None if meta.all_greedy else probs_from_logits(x, meta)
+        greedy_tokens = x.argmax(-1) if meta.any_greedy else None  # [R]
         token_ids = rejection_sample(greedy_tokens, probs, draft_probs, meta)
         logprobs = None
         if raw is not None:

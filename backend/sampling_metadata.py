@@ -25,6 +25,24 @@ def on_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
+class _Packed:
+    """Host lists of one dtype, uploaded in one copy and handed back as views of it."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.values: list = []
+        self.sizes: list[int] = []
+
+    def add(self, values) -> int:
+        """Queue a list; returns its index among the views `upload` returns."""
+        self.values.extend(values)
+        self.sizes.append(len(values))
+        return len(self.sizes) - 1
+
+    def upload(self, device: torch.device) -> list[torch.Tensor]:
+        return list(on_device(self.values, device, self.dtype).split(self.sizes))
+
+
 @dataclass(slots=True)
 class Penalties:
     """Repetition (prompt + output), presence and frequency (output) penalties of the rows."""
@@ -45,6 +63,7 @@ class SamplingMetadata:
     logprob_rows: list[int]  # rows whose requests asked for logprobs
     max_logprobs: int  # the largest top-n asked for
     all_greedy: bool
+    any_greedy: bool
     max_k: int
     # on the device
     greedy: torch.Tensor  # [B] bool
@@ -168,11 +187,22 @@ def build_sampling_metadata(
         uniform_drafts[draft_offsets[b] : draft_offsets[b] + k] = u[:k]
         uniform_last[b] = u[k]
 
-    def up(values, dtype):
-        return on_device(values, device, dtype)
-
     filters_top = any(k < vocab_size for k in top_k) or any(t < 1.0 for t in top_p)
     has_penalties = any(r != 1.0 for r in rep) or any(freq) or any(pres)
+    # every list goes up in one copy per dtype; the fields are views of it
+    ints = _Packed(torch.int64)
+    floats = _Packed(torch.float32)
+    i_greedy, i_first, i_k, i_offset, i_drafts, i_request, i_position, i_slot = (
+        ints.add(v) for v in (greedy, first_rows, num_drafts, draft_offsets, [t for d in drafts for t in d],
+                              draft_request, draft_position, row_slot))
+    i_top_k = ints.add(top_k) if filters_top else None
+    i_penalty_lists = [ints.add(v) for v in (out_rows, out_tokens, prompt_rows, prompt_tokens)] if has_penalties else None
+    i_banned = [ints.add(banned_rows), ints.add(banned_tokens)] if banned_rows else None
+    f_temperature, f_u_drafts, f_u_last = (floats.add(v) for v in (temperature, uniform_drafts.tolist(), uniform_last.tolist()))
+    f_top_p = floats.add(top_p) if filters_top else None
+    f_min_p = floats.add(min_p) if any(m > 0 for m in min_p) else None
+    f_penalties = [floats.add(v) for v in (rep, freq, pres)] if has_penalties else None
+    ints_t, floats_t = ints.upload(device), floats.upload(device)
     return SamplingMetadata(
         requests=requests,
         num_drafts=num_drafts,
@@ -180,26 +210,25 @@ def build_sampling_metadata(
         logprob_rows=logprob_rows,
         max_logprobs=max_logprobs,
         all_greedy=all(greedy),
+        any_greedy=any(greedy),
         max_k=max_k,
-        greedy=up(greedy, torch.bool),
-        first_row=up(first_rows, torch.int64),
-        num_drafts_t=up(num_drafts, torch.int64),
-        draft_offset=up(draft_offsets, torch.int64),
-        draft_token_ids=up([t for d in drafts for t in d], torch.int64),
-        draft_request=up(draft_request, torch.int64),
-        draft_position=up(draft_position, torch.int64),
-        row_slot=up(row_slot, torch.int64),
-        temperature=up(temperature, torch.float32),
-        top_k=up(top_k, torch.int64) if filters_top else None,
-        top_p=up(top_p, torch.float32) if filters_top else None,
-        min_p=up(min_p, torch.float32) if any(m > 0 for m in min_p) else None,
+        greedy=ints_t[i_greedy] != 0,
+        first_row=ints_t[i_first],
+        num_drafts_t=ints_t[i_k],
+        draft_offset=ints_t[i_offset],
+        draft_token_ids=ints_t[i_drafts],
+        draft_request=ints_t[i_request],
+        draft_position=ints_t[i_position],
+        row_slot=ints_t[i_slot],
+        temperature=floats_t[f_temperature],
+        top_k=ints_t[i_top_k] if filters_top else None,
+        top_p=floats_t[f_top_p] if filters_top else None,
+        min_p=floats_t[f_min_p] if f_min_p is not None else None,
         penalties=Penalties(
-            up(rep, torch.float32), up(freq, torch.float32), up(pres, torch.float32),
-            up(out_rows, torch.int64), up(out_tokens, torch.int64),
-            up(prompt_rows, torch.int64), up(prompt_tokens, torch.int64),
+            *(floats_t[i] for i in f_penalties), *(ints_t[i] for i in i_penalty_lists),
         ) if has_penalties else None,
-        banned_rows=up(banned_rows, torch.int64) if banned_rows else None,
-        banned_tokens=up(banned_tokens, torch.int64) if banned_rows else None,
-        uniform_drafts=uniform_drafts.to(device, non_blocking=True),
-        uniform_last=uniform_last.to(device, non_blocking=True),
+        banned_rows=ints_t[i_banned[0]] if i_banned else None,
+        banned_tokens=ints_t[i_banned[1]] if i_banned else None,
+        uniform_drafts=floats_t[f_u_drafts],
+        uniform_last=floats_t[f_u_last],
     )

@@ -68,6 +68,9 @@ class EngineMetrics:
         self.e2e_latency = self._histogram(
             "specserve_e2e_request_latency_seconds", "Arrival to last response", E2E_BUCKETS
         )
+        self.queue_time = self._histogram(
+            "specserve_request_queue_time_seconds", "Arrival in the engine to first scheduled", TTFT_BUCKETS
+        )
 
     def _family(self, name: str, help: str, kind):
         family = pb_utils.MetricFamily(name=name, description=help, kind=kind)
@@ -91,7 +94,11 @@ class EngineMetrics:
                 counter.increment(float(total - self._reported[field]))
                 self._reported[field] = total
 
-    def request_finished(self, finish_reason: str, e2e_seconds: float) -> None:
+    def request_finished(self, finish_reason: str, e2e_seconds: float, queue_seconds: float | None) -> None:
+        """A request's last output: e2e from the adapter's clock, queue time from the engine's
+        own timestamps of the request (None: it never ran)."""
         if finish_reason in self.finished:
             self.finished[finish_reason].increment(1.0)
         self.e2e_latency.observe(e2e_seconds)
+        if queue_seconds is not None:
+            self.queue_time.observe(queue_seconds)

@@ -276,7 +276,7 @@ class TritonPythonModel:
             self._observe_latency(state, now, len(output.token_ids))
         if output.finished:
             del self.requests[output.request_id]
-            self.metrics.request_finished(output.finish_reason or "error", now - state.arrival)
+            self.metrics.request_finished(output.finish_reason or "error", now - state.arrival, output.queue_seconds)
             self.metrics.refresh(self.loop.engine.stats())
         if output.logprobs:
             state.logprobs.extend(output.logprobs)

@@ -25,6 +25,7 @@ FAMILIES = [
     "specserve_time_to_first_token_seconds_count",
     "specserve_inter_token_latency_seconds_count",
     "specserve_e2e_request_latency_seconds_count",
+    "specserve_request_queue_time_seconds_count",
 ]
 
 
@@ -61,6 +62,7 @@ def test_counts_match_the_requests_sent(server, tokenizer):
     assert delta("specserve_prompt_tokens_total") == num_prompt_tokens
     assert delta("specserve_prefix_cache_query_tokens_total") >= 0
     assert delta("specserve_time_to_first_token_seconds_count") == len(prompts)
+    assert delta("specserve_request_queue_time_seconds_count") == len(prompts)
     assert delta("specserve_inter_token_latency_seconds_count") == sum(max_tokens) - len(prompts)
     assert delta("specserve_e2e_request_latency_seconds_count") == len(prompts)
     assert after["specserve_time_to_first_token_seconds_sum"] > before["specserve_time_to_first_token_seconds_sum"]

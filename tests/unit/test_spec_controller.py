@@ -5,7 +5,7 @@ import pytest
 from backend.request import Request
 from backend.sampling_params import SamplingParams
 from backend.spec_controller import SpecController, Survival
-from backend.speculator import EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, SWITCH_BUDGET, WARMUP_SAMPLES, ModeChooser
+from backend.mode_chooser import EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, SWITCH_BUDGET, WARMUP_SAMPLES, ModeChooser
 
 
 def _own_survival(c: SpecController, r: Request) -> Survival:
@@ -280,9 +280,9 @@ def test_speculator_counts_a_verification_by_its_expected_yield():
     spec.reserve([r], max_model_len=100)
     k = r.spec.num_lookahead_tokens
     assert k > 0  # room reserved; the drafts come once the step is scheduled
-    expected = spec.controller.expected_tokens(r)[k]
+    expected = spec.policy.controller.expected_tokens(r)[k]
     spec.record(r, k, 0)  # every draft token rejected: 1 token realized
-    assert spec.yield_correction == pytest.approx(expected - 1)
+    assert spec.policy.yield_correction == pytest.approx(expected - 1)
     assert expected > 1
     spec.reserve([r], max_model_len=100)  # a new step starts from no correction
-    assert spec.yield_correction == 0.0
+    assert spec.policy.yield_correction == 0.0
