@@ -70,10 +70,6 @@ class EngineConfig:
             )
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValidationError("draft_model", "required when speculative_method is 'draft'")
-        if self.async_scheduling and self.speculative_method != "none":
-            raise ValidationError(
-                "async_scheduling", "cannot be combined with speculative decoding (speculative_method 'none' only)"
-            )
         if self.num_threads < 0:
             raise ValidationError("num_threads", f"must be >= 0, got {self.num_threads}")
         if not 0 <= self.num_speculative_tokens <= 16:

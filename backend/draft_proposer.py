@@ -5,9 +5,13 @@ The draft sees the same positions as the target, so a request's block table serv
 request starts at 0. The first draft forward of a step reads, for each request that speculates,
 everything it has not seen (the last step's accepted and bonus tokens; more after sitting out),
 and, without logits, the chunks other requests are behind by (a prompt alongside the target's
-prefill chunk); then k - 1 single-token forwards follow. Each draws through the engine's sampler,
-the draft tokens before it counted as output. After verification the draft's KV is valid up to
-the target's num_computed_tokens at most.
+prefill chunk); then k - 1 single-token forwards follow, each fed the token the one before drew,
+on the device. Each draws through the engine's sampler (penalties see the request's known output,
+not the drafts of the step). With overlapped steps, a request whose last step is still on the
+device reads that step's tokens from there: after a verification, the token before the last and
+the last, at positions the device corrects (re-reading a position already computed writes the
+same K/V); after a plain step, what it has not read and the sampled token.
+After verification the draft's KV is valid up to the target's num_computed_tokens at most.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import time
 import torch
 
 from backend.model_runner import ModelRunner, StepInput
-from backend.proposer import DraftClock, Proposal
+from backend.proposer import DraftClock, PendingTokens, Proposal
 from backend.request import Request
 from backend.sampler import Sampler
 from backend.sampling_metadata import build_sampling_metadata
@@ -32,40 +36,65 @@ class DraftProposer:
         return k
 
     def propose(self, requests: list[Request], ks: list[int], clock: DraftClock | None = None,
-                catch_up: list[tuple[Request, int]] = ()) -> list[Proposal]:
-        """k_r draft tokens per request and the draft distributions they were drawn from (None for
-        a greedy request: its verification compares argmaxes and needs no distribution).
-        `catch_up` (request, end) rows are only read, in the first forward: the draft's KV for
-        their tokens up to `end` (a prompt chunk the target prefills this step, or what a request
-        missed), no logits. clock(j, num_tokens, num_requests, start time) is called after the
-        j-th forward and its sampling."""
-        tokens: list[list[int]] = [[] for _ in requests]
+                catch_up: list[tuple[Request, int]] = (), pending: PendingTokens | None = None) -> list[Proposal]:
+        """k_r draft tokens per request (on the device, and on the host unless a request's last
+        step is still pending) and the distributions they were drawn from (None for a greedy
+        request: its verification compares argmaxes). `catch_up` (request, end) rows are only
+        read, in the first forward: the draft's KV for their tokens up to `end`, no logits."""
+        drawn: list[list[torch.Tensor]] = [[] for _ in requests]  # per request: [1] device tokens
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        row_of = pending.row_of if pending is not None else {}
+        previous: torch.Tensor | None = None  # the last forward's draws, [len(active)]
+        previous_active: list[int] = []
         for j in range(max(ks, default=1)):
             started = time.perf_counter()
             active = [i for i, k in enumerate(ks) if k > j]
             step = StepInput([], [], [], [])
+            if j == 0 and pending is not None:
+                step.device_tokens = torch.cat([pending.previous, pending.last])
+            elif j > 0:
+                step.device_tokens = previous
             for i in active:
                 r = requests[i]
-                if j == 0:
+                row = row_of.get(r.request_id)  # its last step is still on the device
+                if j == 0 and row is not None and pending.num_drafts[row]:
+                    # the token before the last and the last, where the accepted drafts put them
+                    step.add([0, 0], r.num_computed_tokens - 1, r.block_table, 1)
+                    step.take_from_device([row, len(row_of) + row])
+                elif j == 0:  # what it has not read; the last token from the device when it is there
                     start = min(r.spec.num_computed_tokens, r.num_tokens - 1)
-                    step.add(r.tokens_slice(start, r.num_tokens), start, r.block_table, 1)
+                    step.add(r.tokens_slice(start, r.num_tokens) + ([0] if row is not None else []), start,
+                             r.block_table, 1)
+                    if row is not None:
+                        step.take_from_device([len(row_of) + row])
                 else:
-                    step.add([tokens[i][-1]], r.num_tokens - 1 + j, r.block_table, 1)
+                    step.add([0], r.num_computed_tokens + j, r.block_table, 1)
+                    step.take_from_device([previous_active.index(i)])
                 r.spec.num_computed_tokens = step.start_positions[-1] + len(step.token_ids[-1])
             for r, end in catch_up if j == 0 else ():
                 step.add(r.tokens_slice(r.spec.num_computed_tokens, end), r.spec.num_computed_tokens, r.block_table, 0)
                 r.spec.num_computed_tokens = end
+            if row_of:  # catch-up rows read known tokens at known positions
+                offsets = pending.offsets_for([requests[i].request_id for i in active])
+                step.position_offsets = torch.cat([offsets, offsets.new_zeros(len(step.token_ids) - len(active))])
             logits = self.runner.run(step)
             if active:
                 drafting = [requests[i] for i in active]
                 meta = build_sampling_metadata(drafting, [[] for _ in active], self.vocab_size, self.sampler.generator,
-                                               logits.device, prefixes=[tokens[i] for i in active])
+                                               logits.device)
                 out = self.sampler(logits, meta)
-                for row, (i, token) in enumerate(zip(active, out.token_ids[:, 0].tolist())):
-                    tokens[i].append(token)
+                previous, previous_active = out.token_ids[:, 0], active
+                for row, i in enumerate(active):
+                    drawn[i].append(previous[row : row + 1])
                     if not requests[i].params.greedy:  # a greedy verification compares argmaxes only
                         probs[i].append(out.probs[row])
             if clock is not None:
                 clock(j, sum(len(t) for t in step.token_ids), len(active), started)
-        return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        device_ids = [torch.cat(d) for d in drawn]
+        known = [i for i, r in enumerate(requests) if r.request_id not in row_of]  # read back now
+        host: list[list[int] | None] = [None] * len(requests)
+        if known:
+            flat = torch.cat([device_ids[i] for i in known]).tolist()
+            for i in known:
+                host[i], flat = flat[: ks[i]], flat[ks[i] :]
+        return [Proposal(h, torch.stack(p) if p else None, d) for h, p, d in zip(host, probs, device_ids)]

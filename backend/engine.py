@@ -37,7 +37,7 @@ from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
 from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
-from backend.proposer import Proposer
+from backend.proposer import PendingTokens, Proposer
 from backend.sampler import PLACEHOLDER_TOKEN, Sampler, SamplerOutput
 from backend.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.speculator import Speculator
@@ -65,17 +65,26 @@ class EngineStats:
 
 @dataclass(slots=True)
 class InFlightStep:
-    """A sampled step on its way to the host: its requests and their rows (`meta`), the tokens on
-    the device (the next overlapped step reads them as inputs) and their host copy; `ready`
-    marks the copy's arrival (None on a CPU: the copy is the tensor itself)."""
+    """A sampled step on its way to the host: its requests and their rows (`meta`), its tokens
+    as the next overlapped step reads them (`pending`, on the device) and their host copy;
+    `ready` marks the copy's arrival (None on a CPU: the copy is the tensor itself)."""
     meta: SamplingMetadata
-    device_tokens: torch.Tensor  # [B, max_k + 1] int64
+    pending: PendingTokens
     host: SamplerOutput
     ready: torch.cuda.Event | None
 
-    def row_of(self) -> dict[str, int]:
-        """Request id -> its row of `device_tokens`."""
-        return {r.request_id: i for i, r in enumerate(self.meta.requests)}
+
+def pending_tokens(meta: SamplingMetadata, token_ids: torch.Tensor, last_known: list[int]) -> PendingTokens:
+    """What the next step needs of this one's tokens before they reach the host.
+    token_ids: [B, max_k + 1], PLACEHOLDER_TOKEN past each request's last; last_known: per
+    request, its last token on the host (the input of its first row)."""
+    num_accepted = (token_ids != PLACEHOLDER_TOKEN).sum(1) - 1  # [B]
+    last = token_ids.gather(1, num_accepted[:, None])[:, 0]
+    before = token_ids.gather(1, (num_accepted - 1).clamp_min(0)[:, None])[:, 0]
+    known = torch.tensor(last_known).to(token_ids.device, non_blocking=True)
+    previous = torch.where(num_accepted > 0, before, known)
+    row_of = {r.request_id: i for i, r in enumerate(meta.requests)}
+    return PendingTokens(row_of, meta.num_drafts, previous, last, num_accepted - meta.num_drafts_t)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -139,9 +148,12 @@ class LLMEngine:
             proposer = NgramProposer()
         self.speculator = Speculator(proposer, config.num_speculative_tokens, config.adaptive_speculation, self.device,
                                      draft_budget=config.max_num_batched_tokens)
-        overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        self.overlap = overlap and proposer is None
+        # overlapped steps: on CUDA by default, without speculation (speculation with them runs its
+        # verification steps eagerly for now); asked for, with either
+        self.overlap = config.async_scheduling if config.async_scheduling is not None else (
+            self.device.type == "cuda" and proposer is None)
         self.in_flight: InFlightStep | None = None  # overlapped steps: the one launched last
+        self.launched: set[str] = set()  # request ids of the step launched last
         if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs:
             for runner in [self.runner] + ([proposer.runner] if proposer is not None and proposer.runner else []):
                 runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
@@ -237,6 +249,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         batch, draft_probs = self._schedule()
+        self.launched = {r.request_id for r in batch.requests}
         forward_started = time.perf_counter()
         logits = self.runner.run(self.step_input(batch, self.in_flight)) if batch.requests else None
         lookahead = [r.spec.num_lookahead_tokens for r in batch.requests]  # _sample clears them
@@ -261,25 +274,45 @@ class LLMEngine:
         if not batch.requests:
             return batch, {}
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
-        return batch, self.speculator.propose(batch, self.scheduler.running)
+        pending = self.in_flight.pending if self.in_flight is not None else None
+        return batch, self.speculator.propose(batch, self.scheduler.running, pending)
 
     @staticmethod
     def step_input(batch: ScheduledBatch, in_flight: InFlightStep | None = None) -> StepInput:
+        """The target's step. A request whose last step is still on the device (overlapped steps)
+        reads that step's last token from there, at positions the device corrects when drafts were
+        rejected; draft tokens the host does not hold yet come from the device too."""
         step = StepInput([], [], [], [])
-        row_of = in_flight.row_of() if in_flight is not None else {}
-        flat = 0  # index of the request's first token in the flat batch
+        pending = in_flight.pending if in_flight is not None else None
+        row_of = pending.row_of if pending is not None else {}
+        sources = [pending.last] if pending is not None else []  # cat() of these feeds from_device
+        num_sources = len(row_of)
         for request, n in zip(batch.requests, batch.num_scheduled_tokens):
             start = request.num_computed_tokens
-            tokens = request.tokens_slice(start, start + n)
-            if len(tokens) < n:  # the last input was sampled last step and is still on the device
-                tokens.append(0)
-                step.from_device.append((flat + n - 1, row_of[request.request_id]))
-            # logits for the last known token and every draft token, once they are all computed
-            known = request.num_tokens + request.num_pending_tokens
-            step.add(tokens, start, request.block_table, start + n - known + 1 if start + n >= known else 0)
-            flat += n
+            spec = request.spec
+            k = spec.num_lookahead_tokens
+            on_device = request.num_pending_tokens > 0  # its last input was sampled last step
+            known = request.num_tokens + request.num_pending_tokens  # tokens once the device's land
+            num_logits = start + n - known + 1 if start + n >= known else 0
+            if not on_device and spec.draft_token_ids is not None:
+                step.add(request.tokens_slice(start, start + n), start, request.block_table, num_logits)
+                continue
+            tokens = [0] if on_device else request.tokens_slice(start, start + n - k)
+            at, device = ([0], [row_of[request.request_id]]) if on_device else ([], [])  # token index -> source
+            if spec.draft_token_ids is not None:
+                tokens += spec.draft_token_ids[:k]
+            else:  # drafted from tokens still on the device: the drafts are there too
+                at += range(len(tokens), len(tokens) + k)
+                tokens += [0] * k
+                sources.append(spec.draft_device_ids[:k])
+                device += range(num_sources, num_sources + k)
+                num_sources += k
+            step.add(tokens, start, request.block_table, num_logits)
+            step.take_from_device(device, at)
         if step.from_device:
-            step.device_tokens = in_flight.device_tokens[:, 0]
+            step.device_tokens = torch.cat(sources)
+        if row_of:
+            step.position_offsets = pending.offsets_for([r.request_id for r in batch.requests])
         return step
 
     def _sample(
@@ -296,6 +329,14 @@ class LLMEngine:
             request.spec.num_lookahead_tokens = 0
         if not sampled:
             return None
+        # drafts proposed from tokens still on the device reach the host here (on CUDA this waits
+        # for the forward too: overlapped verification steps are not overlapped on the host yet)
+        ahead = [r for r in sampled if r.spec.draft_token_ids is None]
+        if ahead:
+            flat = torch.cat([r.spec.draft_device_ids for r in ahead]).tolist()
+            for r in ahead:
+                k = len(r.spec.draft_device_ids)
+                r.spec.draft_token_ids, flat = flat[:k], flat[k:]
         drafts = [r.spec.draft_token_ids for r in sampled]
         meta = build_sampling_metadata(sampled, drafts, self.vocab_size, self.sampler.generator, self.device)
         q = None  # [D, vocab] the draft model's distributions; None: one-hot drafts (n-gram, greedy)
@@ -303,16 +344,18 @@ class LLMEngine:
         if any(p is not None for p in per_request):  # a greedy request has none: zero rows, never read
             q = torch.cat([p if p is not None else logits.new_zeros(len(d), logits.shape[1])
                            for p, d in zip(per_request, drafts)])
-        for request in sampled:
-            request.num_pending_tokens += 1
-            request.spec.draft_token_ids = []
+        last_known = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in sampled]
+        for request, d in zip(sampled, drafts):
+            request.num_pending_tokens += len(d) + 1  # as if every draft is accepted
+            request.spec.draft_token_ids, request.spec.draft_device_ids = [], None
         output = self.sampler(logits, meta, q)
+        pending = pending_tokens(meta, output.token_ids, last_known)
         host = output.to("cpu", non_blocking=True)
         ready = None
         if output.token_ids.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return InFlightStep(meta, output.token_ids, host, ready)
+        return InFlightStep(meta, pending, host, ready)
 
     def _read_back(self) -> list[RequestOutput]:
         """Wait for the in-flight step's tokens, then append them to their requests (those still
@@ -332,19 +375,31 @@ class LLMEngine:
             first_row += k + 1
             if self.requests.get(request.request_id) is not request:
                 continue
-            request.num_pending_tokens -= 1
+            request.num_pending_tokens -= k + 1
             error = step.meta.errors.get(request.request_id)
             new = [t for t in row_tokens if t != PLACEHOLDER_TOKEN] if error is None else []
             if k and error is None:
                 num_accepted = len(new) - 1
                 self.speculator.record(request, k, num_accepted)
-                request.num_computed_tokens -= k - num_accepted  # roll back the rejected positions
-                request.spec.num_computed_tokens = min(request.spec.num_computed_tokens, request.num_computed_tokens)
+                if request.status is RequestStatus.RUNNING:  # (preempted: recomputed from 0)
+                    self._roll_back(request, k - num_accepted)
+            request.spec.drafted_ahead = False
             entries = [self._logprob_entry(logprobs.get(row), token, request.params.logprobs)
                        for row, token in zip(rows, new)]
-            # trim: no block stays for rejected positions
-            outputs.append(self._advance(request, new, entries, error, trim=k > 0))
+            # trim: no block stays for rejected positions, unless the step launched since holds them
+            trim = k > 0 and not (self.overlap and request.request_id in self.launched)
+            outputs.append(self._advance(request, new, entries, error, trim=trim))
         return outputs
+
+    @staticmethod
+    def _roll_back(request: Request, num_rejected: int) -> None:
+        """Its computed counts assumed every draft accepted: take the rejected positions off (and
+        off the draft's, when it drafted ahead from those positions before they were known)."""
+        request.num_computed_tokens -= num_rejected
+        if request.spec.drafted_ahead:
+            request.spec.num_computed_tokens -= num_rejected
+        else:
+            request.spec.num_computed_tokens = min(request.spec.num_computed_tokens, request.num_computed_tokens)
 
     @staticmethod
     def _logprob_entry(entry: tuple[float, list[int], list[float]] | None, token: int, n: int | None) -> dict | None:

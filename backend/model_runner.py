@@ -31,10 +31,13 @@ class StepInput:
     start_positions: list[int]  # per request: position of its first token this step
     block_tables: list[list[int]]  # per request
     num_logits: list[int]  # per request: logits wanted for its last n tokens (0: none)
-    # overlapped steps: inputs that are tokens sampled last step, still on the device, as
-    # (index into the flat input_ids, row of `device_tokens`); token_ids holds 0 there
+    # inputs still on the device (sampled last step, or drafts), as (index into the flat
+    # input_ids, index into `device_tokens`); token_ids holds 0 there
     device_tokens: torch.Tensor | None = None
     from_device: list[tuple[int, int]] = field(default_factory=list)
+    # overlapped speculation: per request, a correction to its positions known only on the device
+    # (how many of last step's drafts were rejected, <= 0); start_positions assume all accepted
+    position_offsets: torch.Tensor | None = None  # [num_requests] int64
 
     def add(self, token_ids: list[int], start: int, block_table: list[int], num_logits: int) -> None:
         """One request's tokens at positions start.. (target and draft build their steps alike)."""
@@ -42,6 +45,14 @@ class StepInput:
         self.start_positions.append(start)
         self.block_tables.append(block_table)
         self.num_logits.append(num_logits)
+
+    def take_from_device(self, sources: list[int], at: list[int] | None = None) -> None:
+        """Tokens `at` (indices into the last request added; default: its last len(sources)) are
+        `device_tokens[sources]`."""
+        n = len(self.token_ids[-1])
+        first = sum(map(len, self.token_ids)) - n
+        at = range(n - len(sources), n) if at is None else at
+        self.from_device += ((first + i, source) for i, source in zip(at, sources))
 
 
 @dataclass(slots=True)
@@ -127,6 +138,8 @@ class ModelRunner:
         b = len(step.token_ids)
         if not self.graphs or b > max(self.graphs) or any(len(t) != 1 for t in step.token_ids):
             return None
+        if step.position_offsets is not None:
+            return None
         if any(n != 1 for n in step.num_logits):
             return None
         bucket = min(size for size in self.graphs if size >= b)
@@ -173,8 +186,22 @@ class ModelRunner:
             max_seqlen_q=max(len(t) for t in step.token_ids),
             max_seqlen_k=max(flat.seq_lens),
         )
-        return (tensor(flat.input_ids, torch.int64), tensor(flat.positions, torch.int64), meta,
-                tensor(flat.logits_indices, torch.int64))
+        positions = tensor(flat.positions, torch.int64)
+        if step.position_offsets is not None:
+            self._apply_offsets(step, positions, meta)
+        return tensor(flat.input_ids, torch.int64), positions, meta, tensor(flat.logits_indices, torch.int64)
+
+    def _apply_offsets(self, step: StepInput, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Shift each request's positions by its device-side offset; slots and context lengths
+        follow (computed on the device from the block tables). The host-side maxima stay upper bounds."""
+        lengths = torch.tensor([len(t) for t in step.token_ids]).to(self.device, non_blocking=True)
+        offsets = step.position_offsets
+        positions += offsets.repeat_interleave(lengths, output_size=positions.numel())
+        meta.seq_lens += offsets.to(meta.seq_lens.dtype)
+        request_of = torch.arange(len(step.token_ids), device=self.device).repeat_interleave(
+            lengths, output_size=positions.numel())
+        blocks = meta.block_tables[request_of, positions // self.block_size].long()
+        meta.slot_mapping = blocks * self.block_size + positions % self.block_size
 
     def _fill_from_device(self, input_ids: torch.Tensor, step: StepInput) -> None:
         """Put the inputs sampled last step (still on the device) in place, without a sync."""

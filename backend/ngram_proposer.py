@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from backend.proposer import DraftClock, Proposal
+from backend.proposer import DraftClock, PendingTokens, Proposal
 from backend.request import Request
 
 
@@ -23,10 +23,12 @@ class NgramProposer:
         self.max_ngram = max_ngram
 
     def num_available(self, request: Request, k: int) -> int:
+        if request.num_pending_tokens:  # its last tokens are still on the device (overlapped steps)
+            return 0
         return len(self.lookup(request.all_token_ids, k))
 
     def propose(self, requests: list[Request], ks: list[int], clock: DraftClock | None = None,
-                catch_up: list[tuple[Request, int]] = ()) -> list[Proposal]:
+                catch_up: list[tuple[Request, int]] = (), pending: PendingTokens | None = None) -> list[Proposal]:
         return [Proposal(self.lookup(r.all_token_ids, k), None) for r, k in zip(requests, ks)]
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:

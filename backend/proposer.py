@@ -17,9 +17,28 @@ DraftClock = Callable[[int, int, int, float], None]
 
 @dataclass(slots=True)
 class Proposal:
-    token_ids: list[int]  # d_1..d_k
+    token_ids: list[int] | None  # d_1..d_k; None while they are on the device only
     probs: torch.Tensor | None  # [k, vocab] q_1..q_k; None: one-hot on the tokens (prompt lookup), or
     # a greedy request (its verification compares argmaxes)
+    device_token_ids: torch.Tensor | None = None  # [k] int64 on the device (the draft model's)
+
+
+@dataclass(slots=True)
+class PendingTokens:
+    """Overlapped steps: the tokens the step before this one produced, still on the device. A
+    request among them reads them before the host knows them, at positions that assume every
+    draft it verified was accepted, corrected on the device by `offsets`."""
+    row_of: dict[str, int]  # request id -> its row below
+    num_drafts: list[int]  # per row: the drafts it verified (0: its one token was sampled)
+    previous: torch.Tensor  # [B] int64: the token before the last (the draft re-reads it)
+    last: torch.Tensor  # [B] int64: the last token (sampled, recovered or bonus)
+    offsets: torch.Tensor  # [B] int64: minus the number of its drafts rejected (0 without drafts)
+
+    def offsets_for(self, request_ids: list[str]) -> torch.Tensor:
+        """[len(request_ids)] offsets, 0 for requests without pending tokens."""
+        table = torch.cat([self.offsets, self.offsets.new_zeros(1)])
+        index = [self.row_of.get(rid, len(self.row_of)) for rid in request_ids]
+        return table[torch.tensor(index, dtype=torch.int64).to(table.device, non_blocking=True)]
 
 
 class Proposer(Protocol):
@@ -31,6 +50,6 @@ class Proposer(Protocol):
         """How many of k draft tokens it can propose for the request now (before scheduling)."""
 
     def propose(self, requests: list[Request], ks: list[int], clock: DraftClock | None = None,
-                catch_up: list[tuple[Request, int]] = ()) -> list[Proposal]:
+                catch_up: list[tuple[Request, int]] = (), pending: PendingTokens | None = None) -> list[Proposal]:
         """Exactly ks[i] draft tokens for requests[i] (at most what num_available said). A
         proposer with a runner also reads the `catch_up` rows: (request, end), its KV up to end."""

@@ -44,6 +44,10 @@ class SpecState:
     """A request's speculative decoding, kept by the speculator; reset when it is preempted (its
     draft KV goes with its blocks), counters and measurements kept."""
     draft_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
+    # ... the same on the device ([k] int64; the draft model's), and whether they were drafted
+    # from last step's tokens before those reached the host (its counts then assume all accepted)
+    draft_device_ids: torch.Tensor | None = None
+    drafted_ahead: bool = False
     num_lookahead_tokens: int = 0  # draft tokens the scheduler reserves room for this step
     num_computed_tokens: int = 0  # tokens whose K/V are in the draft model's pool
     num_draft_tokens: int = 0  # drafted so far
@@ -54,6 +58,7 @@ class SpecState:
     def drop_drafts(self) -> None:
         """The draft's KV is gone (preemption): nothing reserved, nothing to verify, read again."""
         self.draft_token_ids, self.num_lookahead_tokens, self.num_computed_tokens = [], 0, 0
+        self.draft_device_ids, self.drafted_ahead = None, False
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from backend.proposer import Proposer
+from backend.proposer import PendingTokens, Proposer
 from backend.request import Request
 from backend.scheduler import ScheduledBatch
 from backend.spec_policy import SpeculationPolicy
@@ -63,26 +63,31 @@ class Speculator:
         self.wants_drafts = False
         if self.proposer is None:
             return
-        candidates = [r for r in running if r.params.speculative and r.num_computed_tokens == r.num_tokens - 1]
+        # decoding: everything computed but the last token (known, or still on the device)
+        candidates = [r for r in running
+                      if r.params.speculative and r.num_computed_tokens == r.num_tokens + r.num_pending_tokens - 1]
         budget = self.draft_budget
         for r, k in zip(candidates, self.policy.plan(candidates, len(running))):
-            # never verify past max_tokens or the context
-            k = min(k, r.params.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
+            # never verify past max_tokens or the context (tokens on the device counted as landed)
+            num_tokens = r.num_tokens + r.num_pending_tokens
+            k = min(k, r.params.max_tokens - r.num_output_tokens - r.num_pending_tokens - 1, max_model_len - num_tokens)
             if k <= 0:
                 r.spec.expected_yield = None
                 continue
             self.wants_drafts = True
             k = self.proposer.num_available(r, k)
             if self.proposer.runner is not None:
-                behind = r.num_tokens - r.spec.num_computed_tokens
+                behind = r.num_computed_tokens + 1 - r.spec.num_computed_tokens
                 if behind > budget:  # it catches up first (`propose` reads what budget is left)
                     continue
                 budget -= behind
             r.spec.num_lookahead_tokens = k
 
-    def propose(self, batch: ScheduledBatch, running: list[Request]) -> dict[str, torch.Tensor | None]:
-        """Fit the reservations to what was scheduled, then propose. Returns the draft
-        distributions by request id (None: one-hot on the drafts)."""
+    def propose(self, batch: ScheduledBatch, running: list[Request],
+                pending: PendingTokens | None = None) -> dict[str, torch.Tensor | None]:
+        """Fit the reservations to what was scheduled, then propose (`pending`: last step's tokens,
+        still on the device). Returns the draft distributions by request id (None: one-hot on the
+        drafts); the drafts go to `request.spec`."""
         if self.proposer is None:
             return {}
         to_draft, ks = [], []
@@ -91,7 +96,7 @@ class Speculator:
             scheduled.add(r.request_id)
             if not r.spec.num_lookahead_tokens:
                 continue
-            k = n - (r.num_tokens - r.num_computed_tokens)  # the budget may have cut it short
+            k = n - (r.num_tokens + r.num_pending_tokens - r.num_computed_tokens)  # the budget may have cut it short
             r.spec.num_lookahead_tokens = max(k, 0)
             if k > 0:
                 to_draft.append(r)
@@ -101,7 +106,7 @@ class Speculator:
                 r.spec.num_lookahead_tokens, r.spec.draft_token_ids = 0, []
         catch_up = []
         if self.proposer.runner is not None and self.wants_drafts:
-            behind = sum(r.num_tokens - r.spec.num_computed_tokens for r in to_draft)
+            behind = sum(r.num_computed_tokens + 1 - r.spec.num_computed_tokens for r in to_draft)
             catch_up = self._catch_up_rows(batch, self.draft_budget - behind)
             # a draft that sat out steps (or is new) first reads what it missed; when that dominates
             # the step, its cost beyond a usual first forward is estimated for the mode chooser
@@ -110,8 +115,10 @@ class Speculator:
         if not to_draft and not catch_up:
             return {}
         probs = {}
-        for r, proposal in zip(to_draft, self.proposer.propose(to_draft, ks, self._clock_draft_forward, catch_up)):
-            r.spec.draft_token_ids = proposal.token_ids
+        proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward, catch_up, pending)
+        for r, proposal in zip(to_draft, proposals):
+            r.spec.draft_token_ids, r.spec.draft_device_ids = proposal.token_ids, proposal.device_token_ids
+            r.spec.drafted_ahead = proposal.token_ids is None
             probs[r.request_id] = proposal.probs
         return probs
 

@@ -101,11 +101,12 @@ def test_abort_while_a_token_is_in_flight():
     assert_same(plain, overlapped)
 
 
-def test_async_scheduling_and_speculation_are_exclusive():
-    with pytest.raises(ValidationError, match="async_scheduling"):
-        EngineConfig(model=str(TARGET), async_scheduling=True, speculative_method="ngram")
+def test_speculating_engines_overlap_steps_only_when_asked():
     engine = LLMEngine(EngineConfig(model=str(TARGET), speculative_method="ngram", num_kv_blocks=16))
     assert not engine.overlap  # the default (None) leaves speculating engines on plain steps
+    engine = LLMEngine(EngineConfig(model=str(TARGET), speculative_method="ngram", num_kv_blocks=16,
+                                    async_scheduling=True))
+    assert engine.overlap
 
 
 def test_request_done_by_length_is_not_scheduled_again():

@@ -37,6 +37,11 @@ def spec_engine(model, draft=None, method="draft", **knobs) -> LLMEngine:
         ("ngram", {}),
         ("bad", {"num_kv_blocks": 24, "block_size": 8}),  # preemption forced
         ("perfect", {"max_num_batched_tokens": 30, "num_speculative_tokens": 6}),  # budget cuts k
+        # overlapped steps: each step's drafts are proposed from the last step's tokens on the device
+        ("bad", {"async_scheduling": True}),
+        ("perfect", {"async_scheduling": True}),
+        ("bad", {"num_kv_blocks": 24, "block_size": 8, "async_scheduling": True}),
+        ("perfect", {"max_num_batched_tokens": 30, "num_speculative_tokens": 6, "async_scheduling": True}),
     ],
 )
 def test_greedy_identical_to_plain_decoding(which, knobs, tiny_llama, bad_draft):
@@ -212,9 +217,11 @@ def test_rejection_sampling_is_lossless_and_a_biased_rule_fails():
     assert _chi_square_p(_accept_all) < 1e-6
 
 
-def test_engine_sampling_matches_target_distribution(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_sampling_matches_target_distribution(tmp_path, async_scheduling):
     """End to end: with a poor draft, the 2nd and 3rd generated tokens (the ones speculation
-    produces) follow the target's exact marginals, computed from HF by enumeration."""
+    produces) follow the target's exact marginals, computed from HF by enumeration; with
+    overlapped steps too (drafts proposed from tokens the host has not seen yet)."""
     from transformers import AutoModelForCausalLM
 
     vocab, trials, prompt = 8, 800, [3, 5, 4]
@@ -236,7 +243,8 @@ def test_engine_sampling_matches_target_distribution(tmp_path):
         for b in range(vocab):
             p3 += p1[a] * pa[b] * next_probs(prompt + [a, b])
 
-    engine = spec_engine(target, draft, adaptive_speculation=False, num_speculative_tokens=2)
+    engine = spec_engine(target, draft, adaptive_speculation=False, num_speculative_tokens=2,
+                         async_scheduling=async_scheduling)
     for t in range(trials):
         engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=t, ignore_eos=True))
     tokens: dict[str, list[int]] = {}
