@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from backend.host_copy import HostCopy
 from backend.model_runner import ModelRunner, StepInput
 from backend.proposer import DraftClock, PendingTokens, Proposal
 from backend.request import Request
@@ -91,10 +92,11 @@ class DraftProposer:
             if clock is not None:
                 clock(j, sum(len(t) for t in step.token_ids), len(active), started)
         device_ids = [torch.cat(d) for d in drawn]
-        known = [i for i, r in enumerate(requests) if r.request_id not in row_of]  # read back now
-        host: list[list[int] | None] = [None] * len(requests)
-        if known:
-            flat = torch.cat([device_ids[i] for i in known]).tolist()
-            for i in known:
-                host[i], flat = flat[: ks[i]], flat[ks[i] :]
-        return [Proposal(h, torch.stack(p) if p else None, d) for h, p, d in zip(host, probs, device_ids)]
+        proposals = [Proposal(None, torch.stack(p) if p else None, d) for p, d in zip(probs, device_ids)]
+        if proposals:  # on their way to the host; read at once unless their last step is pending
+            copy, offset = HostCopy(torch.cat(device_ids)), 0
+            for r, proposal, k in zip(requests, proposals, ks):
+                proposal.host_copy, offset = (copy, offset), offset + k
+                if r.request_id not in row_of:
+                    proposal.host_token_ids()
+        return proposals

@@ -146,12 +146,14 @@ class LLMEngine:
             proposer = DraftProposer(draft_runner, self.sampler, self.vocab_size)
         elif config.speculative_method == "ngram":
             proposer = NgramProposer()
-        self.speculator = Speculator(proposer, config.num_speculative_tokens, config.adaptive_speculation, self.device,
-                                     draft_budget=config.max_num_batched_tokens)
         # overlapped steps: on CUDA by default, without speculation (speculation with them runs its
-        # verification steps eagerly for now); asked for, with either
+        # verification steps eagerly for now); asked for, with either. Adaptive k measures plain
+        # steps (a step's time and its tokens), so with overlapped steps k is fixed
         self.overlap = config.async_scheduling if config.async_scheduling is not None else (
             self.device.type == "cuda" and proposer is None)
+        adaptive = config.adaptive_speculation and not self.overlap
+        self.speculator = Speculator(proposer, config.num_speculative_tokens, adaptive, self.device,
+                                     draft_budget=config.max_num_batched_tokens)
         self.in_flight: InFlightStep | None = None  # overlapped steps: the one launched last
         self.launched: set[str] = set()  # request ids of the step launched last
         if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs:
@@ -304,7 +306,7 @@ class LLMEngine:
             else:  # drafted from tokens still on the device: the drafts are there too
                 at += range(len(tokens), len(tokens) + k)
                 tokens += [0] * k
-                sources.append(spec.draft_device_ids[:k])
+                sources.append(spec.proposal.device_token_ids[:k])
                 device += range(num_sources, num_sources + k)
                 num_sources += k
             step.add(tokens, start, request.block_table, num_logits)
@@ -329,14 +331,9 @@ class LLMEngine:
             request.spec.num_lookahead_tokens = 0
         if not sampled:
             return None
-        # drafts proposed from tokens still on the device reach the host here (on CUDA this waits
-        # for the forward too: overlapped verification steps are not overlapped on the host yet)
-        ahead = [r for r in sampled if r.spec.draft_token_ids is None]
-        if ahead:
-            flat = torch.cat([r.spec.draft_device_ids for r in ahead]).tolist()
-            for r in ahead:
-                k = len(r.spec.draft_device_ids)
-                r.spec.draft_token_ids, flat = flat[:k], flat[k:]
+        for r in sampled:  # drafts proposed from tokens then on the device: their copy has landed
+            if r.spec.draft_token_ids is None:
+                r.spec.draft_token_ids = r.spec.proposal.host_token_ids()
         drafts = [r.spec.draft_token_ids for r in sampled]
         meta = build_sampling_metadata(sampled, drafts, self.vocab_size, self.sampler.generator, self.device)
         q = None  # [D, vocab] the draft model's distributions; None: one-hot drafts (n-gram, greedy)
@@ -347,7 +344,7 @@ class LLMEngine:
         last_known = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in sampled]
         for request, d in zip(sampled, drafts):
             request.num_pending_tokens += len(d) + 1  # as if every draft is accepted
-            request.spec.draft_token_ids, request.spec.draft_device_ids = [], None
+            request.spec.draft_token_ids, request.spec.proposal = [], None
         output = self.sampler(logits, meta, q)
         pending = pending_tokens(meta, output.token_ids, last_known)
         host = output.to("cpu", non_blocking=True)

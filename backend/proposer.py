@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from backend.host_copy import HostCopy
 from backend.model_runner import ModelRunner
 from backend.request import Request
 
@@ -21,6 +22,13 @@ class Proposal:
     probs: torch.Tensor | None  # [k, vocab] q_1..q_k; None: one-hot on the tokens (prompt lookup), or
     # a greedy request (its verification compares argmaxes)
     device_token_ids: torch.Tensor | None = None  # [k] int64 on the device (the draft model's)
+    host_copy: tuple[HostCopy, int] | None = None  # the tokens on their way to the host (copy, offset)
+
+    def host_token_ids(self) -> list[int]:
+        if self.token_ids is None:
+            copy, offset = self.host_copy
+            self.token_ids = copy.values()[offset : offset + len(self.device_token_ids)]
+        return self.token_ids
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from backend.detokenizer import IncrementalDetokenizer
+    from backend.proposer import Proposal
     from backend.spec_controller import Survival
 
 
@@ -43,11 +44,10 @@ FINISH_REASONS = {
 class SpecState:
     """A request's speculative decoding, kept by the speculator; reset when it is preempted (its
     draft KV goes with its blocks), counters and measurements kept."""
-    draft_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify this step
-    # ... the same on the device ([k] int64; the draft model's), and whether they were drafted
-    # from last step's tokens before those reached the host (its counts then assume all accepted)
-    draft_device_ids: torch.Tensor | None = None
-    drafted_ahead: bool = False
+    # draft tokens to verify this step; None while they are on the device only (`proposal`)
+    draft_token_ids: list[int] | None = field(default_factory=list)
+    proposal: Proposal | None = None  # the draft model's, as proposed (tokens on the device too)
+    drafted_ahead: bool = False  # drafted from last step's tokens before they reached the host
     num_lookahead_tokens: int = 0  # draft tokens the scheduler reserves room for this step
     num_computed_tokens: int = 0  # tokens whose K/V are in the draft model's pool
     num_draft_tokens: int = 0  # drafted so far
@@ -58,7 +58,7 @@ class SpecState:
     def drop_drafts(self) -> None:
         """The draft's KV is gone (preemption): nothing reserved, nothing to verify, read again."""
         self.draft_token_ids, self.num_lookahead_tokens, self.num_computed_tokens = [], 0, 0
-        self.draft_device_ids, self.drafted_ahead = None, False
+        self.proposal, self.drafted_ahead = None, False
 
 
 @dataclass(slots=True)

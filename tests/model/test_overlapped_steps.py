@@ -10,7 +10,6 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.errors import ValidationError
 from backend.sampling_params import SamplingParams
 
 TARGET = Path(__file__).resolve().parents[2] / "model_repository" / "llm_engine" / "1" / "target"
@@ -104,9 +103,11 @@ def test_abort_while_a_token_is_in_flight():
 def test_speculating_engines_overlap_steps_only_when_asked():
     engine = LLMEngine(EngineConfig(model=str(TARGET), speculative_method="ngram", num_kv_blocks=16))
     assert not engine.overlap  # the default (None) leaves speculating engines on plain steps
+    assert engine.speculator.policy.adaptive
     engine = LLMEngine(EngineConfig(model=str(TARGET), speculative_method="ngram", num_kv_blocks=16,
                                     async_scheduling=True))
     assert engine.overlap
+    assert not engine.speculator.policy.adaptive  # k is fixed: adaptive k measures plain steps
 
 
 def test_request_done_by_length_is_not_scheduled_again():
