@@ -35,6 +35,7 @@ from backend.model_loader import TORCH_DTYPES, load_draft_model, load_hf_config,
 from backend.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
+from backend.request_limits import RequestLimits
 from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
 from backend.proposer import PendingTokens, Proposer
@@ -134,6 +135,7 @@ class LLMEngine:
         self.num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(bytes_per_block)
         if self.num_blocks < 2:
             raise ValidationError("kv_cache_memory_bytes", f"room for {self.num_blocks} KV blocks; need >= 2")
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.num_blocks)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype)
@@ -188,28 +190,7 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValidationError("prompt_token_ids", "the prompt is empty")
-        vocab = self.model.args.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValidationError("prompt_token_ids", f"token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValidationError("stop_token_ids", f"token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValidationError(
-                "prompt_token_ids", f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}"
-            )
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValidationError(
-                "max_tokens",
-                f"must be in [1, {self.max_model_len - len(prompt_ids)}] for this {len(prompt_ids)}-token "
-                f"prompt (context {self.max_model_len}), got {params.max_tokens}",
-            )
-        need = self.block_manager.blocks_needed(len(prompt_ids) + params.max_tokens)
-        if need > self.num_blocks:
-            raise ValidationError(
-                "max_tokens", f"prompt + max_tokens needs {need} KV blocks; the pool has {self.num_blocks}"
-            )
+        self.limits.validate(prompt_ids, params)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         self.validate(prompt_ids, params)

@@ -55,9 +55,13 @@ class EngineLoop:
             if request_id is None:
                 request_id = f"loop-{self._next_id}"
                 self._next_id += 1
+        self.add(request_id, prompt_ids, params, on_output)
+        return request_id
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback) -> None:
+        """Hand a request to the engine thread unchecked: a bad one ends with an error output."""
         self._inbox.put(("add", request_id, list(prompt_ids), params, on_output))
         self._wakeup.set()
-        return request_id
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

@@ -185,6 +185,7 @@ def server_environment(server: Tritonserver) -> dict[str, str]:
     python_path = [str(REPO_ROOT), *sorted(site_packages)]
     python_path += [p for p in env.get("PYTHONPATH", "").split(":") if p]
     env["PYTHONPATH"] = ":".join(python_path)
+    env["SPECSERVE_PYTHON"] = sys.executable  # the engine core process runs on it (the stub is no Python)
     return env
 
 

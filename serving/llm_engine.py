@@ -1,4 +1,5 @@
-"""llm_engine: a decoupled Python backend model, a thin adapter around backend.EngineLoop.
+"""llm_engine: a decoupled Python backend model, a thin adapter around backend.EngineLoop (or, with
+the `engine_process` parameter, backend.EngineCoreClient: the engine in a process of its own).
 
 `execute()` hands each request to the engine thread and returns None at once. The engine thread
 calls back with every RequestOutput; those go through a queue to the dispatcher thread, which
@@ -37,6 +38,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.engine_core_client import EngineCoreClient
 from backend.engine_loop import EngineLoop
 from backend.errors import (
     INTERNAL_ERROR,
@@ -98,14 +100,21 @@ class TritonPythonModel:
                 "llm_engine must be decoupled: model_transaction_policy { decoupled: true }"
             )
         model_dir = Path(args["model_repository"])
-        config = EngineConfig.from_strings(_engine_parameters(model_config, model_dir))
-        pb_utils.Logger.log_info(f"llm_engine: starting engine with {config}")
+        parameters = _engine_parameters(model_config, model_dir)
+        engine_process = _flag("engine_process", parameters.pop("engine_process", "false"))
+        config = EngineConfig.from_strings(parameters)
+        where = "in its own process" if engine_process else "in this process"
+        pb_utils.Logger.log_info(f"llm_engine: starting engine {where} with {config}")
         self.model_name = args["model_name"]
-        engine = LLMEngine(config)
-        engine.fault_hook = fault_hook_from_env(os.environ.get("SPECSERVE_FAULT_INJECTION"))
-        if engine.fault_hook is not None:
+        fault_hook = fault_hook_from_env(os.environ.get("SPECSERVE_FAULT_INJECTION"))
+        if fault_hook is not None:
             pb_utils.Logger.log_warn("llm_engine: test fault injection is on (SPECSERVE_FAULT_INJECTION)")
-        self.loop = EngineLoop(engine)
+        if engine_process:  # the engine core reads SPECSERVE_FAULT_INJECTION itself
+            self.loop = EngineCoreClient(config)
+        else:
+            engine = LLMEngine(config)
+            engine.fault_hook = fault_hook
+            self.loop = EngineLoop(engine)
         self.unloading = False  # the engine died and this model asked Triton to unload it
         self.metrics = EngineMetrics({"model": args["model_name"], "version": args["model_version"]})
         self.requests: dict[str, RequestState] = {}  # request id -> state; sender thread owns it
@@ -340,6 +349,12 @@ class TritonPythonModel:
             if not state.abandoned:
                 state.sender.send(_final_error(state, SHUTTING_DOWN), flags=FINAL)
         self.requests.clear()
+
+
+def _flag(name: str, value: str) -> bool:
+    if value.strip().lower() not in ("true", "false"):
+        raise ValidationError(name, f'must be "true" or "false", got {value!r}')
+    return value.strip().lower() == "true"
 
 
 def _engine_parameters(model_config: dict, model_dir: Path) -> dict[str, str]:

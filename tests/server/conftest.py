@@ -11,6 +11,7 @@ import re
 import shutil
 import socket
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,14 @@ class Server:
             time.sleep(0.1)
 
 
+def model_ready(server: Server, model: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=10) as r:
+            return r.status == 200
+    except urllib.error.HTTPError:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -92,10 +101,31 @@ def _repository_with_tiny_model(root: Path) -> tuple[Path, Path]:
     return repository, model_dir
 
 
-def start_test_server(root: Path, fault_injection: str) -> Server:
-    """tritonserver on free ports over the default model (or a tiny one), its log in `root`."""
+def _repository_with_parameters(root: Path, parameters: dict[str, str]) -> Path:
+    """A copy of the default model repository (models by absolute path) with some of llm_engine's
+    parameters set."""
+    repository = root / "model_repository"
+    for model in ("preprocessing", "llm_engine", "llm", "llm_bls"):
+        (repository / model / "1").mkdir(parents=True)
+        config = (DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text()
+        config = config.replace('"llm_engine/1/target"', f'"{DEFAULT_MODEL}"')  # preprocessing
+        config = config.replace('"1/target"', f'"{DEFAULT_MODEL}"')  # llm_engine
+        for key, value in parameters.items():
+            config, n = re.subn(rf'(key: "{key}", value: {{ string_value: )"[^"]*"', rf'\1"{value}"', config)
+            assert model != "llm_engine" or n == 1, f"no parameter {key} in llm_engine's config"
+        (repository / model / "config.pbtxt").write_text(config)
+        for source in (DEFAULT_MODEL_REPOSITORY / model / "1").glob("*.py"):
+            shutil.copy(source, repository / model / "1" / source.name)
+    return repository
+
+
+def start_test_server(root: Path, fault_injection: str, parameters: dict[str, str] | None = None) -> Server:
+    """tritonserver on free ports over the default model (or a tiny one), its log in `root`;
+    `parameters` set some of llm_engine's (the default model only)."""
     if (DEFAULT_MODEL / "config.json").exists():
         repository, model_dir = DEFAULT_MODEL_REPOSITORY, DEFAULT_MODEL
+        if parameters:
+            repository = _repository_with_parameters(root, parameters)
     else:
         repository, model_dir = _repository_with_tiny_model(root)
     handle = start_server(

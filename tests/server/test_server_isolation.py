@@ -6,15 +6,13 @@ UNAVAILABLE at once, and llm_engine unloads itself so that it reports not ready.
 from __future__ import annotations
 
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from backend.errors import ENGINE_DEAD, INTERNAL_ERROR
 from client.stream import GenerationError, complete
-from tests.server.conftest import FAULT_SEED, start_test_server
+from tests.server.conftest import FAULT_SEED, model_ready, start_test_server
 
 pytestmark = pytest.mark.server
 
@@ -62,14 +60,6 @@ def test_a_faulting_request_fails_alone(server, model):
     assert server.handle.is_ready()
 
 
-def _model_ready(server, model: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=10) as r:
-            return r.status == 200
-    except urllib.error.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def doomed_server(tmp_path_factory):
     server = start_test_server(tmp_path_factory.mktemp("doomed"), f"fatal_seed={FAULT_SEED}")
@@ -79,7 +69,7 @@ def doomed_server(tmp_path_factory):
 
 def test_a_fatal_fault_ends_everything_and_the_engine_reports_not_ready(doomed_server):
     server = doomed_server
-    assert _model_ready(server, "llm_engine")
+    assert model_ready(server, "llm_engine")
     long = dict(prompt="class Parser:", max_tokens=1000, temperature=0.0, ignore_eos=True)
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(_run, server, long) for _ in range(2)]
@@ -93,7 +83,7 @@ def test_a_fatal_fault_ends_everything_and_the_engine_reports_not_ready(doomed_s
         complete(server.http_url, "hi", protocol="http", max_tokens=2, timeout=30)
     assert refused.value.status in ("503", "400", "404")  # 404: the ensemble has no model under it
     deadline = time.monotonic() + 30  # the unload runs in the background
-    while _model_ready(server, "llm_engine") and time.monotonic() < deadline:
+    while model_ready(server, "llm_engine") and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _model_ready(server, "llm_engine")
+    assert not model_ready(server, "llm_engine")
     assert server.handle.process.poll() is None  # the server itself lives on

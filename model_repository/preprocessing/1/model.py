@@ -1,7 +1,7 @@
-"""The `preprocessing` model; its logic is serving/preprocessing.py (the stub's interpreter ignores PYTHONPATH,
-so the repository holding this model repository goes on sys.path first)."""
+"""The `preprocessing` model; its logic is serving/preprocessing.py."""
+import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+# the stub's interpreter ignores PYTHONPATH, where the launcher puts this project and its environment
+sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
 from serving.preprocessing import TritonPythonModel  # noqa: E402,F401

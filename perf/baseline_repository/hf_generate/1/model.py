@@ -10,12 +10,13 @@ group is seeded with its first request's seed.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
-sys.path.insert(0, str(REPO_ROOT))
-import serving  # noqa: E402,F401  (puts PYTHONPATH's entries on sys.path: the stub ignores PYTHONPATH)
+# the stub's interpreter ignores PYTHONPATH, where the launcher puts this project and its environment
+sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
