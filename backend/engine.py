@@ -70,7 +70,7 @@ class InFlightStep:
     as the next overlapped step reads them (`pending`, on the device) and their host copy;
     `ready` marks the copy's arrival (None on a CPU: the copy is the tensor itself)."""
     meta: SamplingMetadata
-    pending: PendingTokens
+    pending: PendingTokens | None
     host: SamplerOutput
     ready: torch.cuda.Event | None
 
@@ -322,12 +322,14 @@ class LLMEngine:
         if any(p is not None for p in per_request):  # a greedy request has none: zero rows, never read
             q = torch.cat([p if p is not None else logits.new_zeros(len(d), logits.shape[1])
                            for p, d in zip(per_request, drafts)])
-        last_known = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in sampled]
+        last_known = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in sampled] \
+            if self.overlap else []
         for request, d in zip(sampled, drafts):
             request.num_pending_tokens += len(d) + 1  # as if every draft is accepted
             request.spec.draft_token_ids, request.spec.proposal = [], None
         output = self.sampler(logits, meta, q)
-        pending = pending_tokens(meta, output.token_ids, last_known)
+        # what the next step reads before the tokens reach the host (overlapped steps only)
+        pending = pending_tokens(meta, output.token_ids, last_known) if self.overlap else None
         host = output.to("cpu", non_blocking=True)
         ready = None
         if output.token_ids.is_cuda:
