@@ -106,11 +106,11 @@ def build_sampling_metadata(
     vocab_size: int,
     generator: torch.Generator,  # the engine's, for requests without a seed
     device: torch.device,
-    prefixes: list[list[int]] | None = None,  # per request: tokens sampled but not yet in its output
 ) -> SamplingMetadata:
-    prefixes = prefixes or [[] for _ in requests]
     num_drafts = [len(d) for d in drafts]
     max_k = max(num_drafts, default=0)
+    if max_k == 0 and all(_plain_greedy(r) for r in requests):
+        return _plain_greedy_metadata(requests, device)
     errors: dict[str, Exception] = {}
     temperature, top_k, top_p, min_p, greedy = [], [], [], [], []
     rep, freq, pres = [], [], []
@@ -120,7 +120,7 @@ def build_sampling_metadata(
     seeded_draws: list[tuple[int, torch.Tensor]] = []  # (request index, its k + 1 uniforms)
     unseeded: list[int] = []  # request indices drawing from the engine's generator
     row = 0
-    for b, (request, draft, prefix) in enumerate(zip(requests, drafts, prefixes)):
+    for b, (request, draft) in enumerate(zip(requests, drafts)):
         k = len(draft)
         first_rows.append(row)
         draft_offsets.append(len(draft_request))
@@ -134,10 +134,10 @@ def build_sampling_metadata(
             if any(not 0 <= t < vocab_size for t in banned):
                 raise IndexError(f"a stop token id is outside the vocabulary [0, {vocab_size})")
             penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            n_out = request.num_output_tokens + len(prefix)
+            n_out = request.num_output_tokens
             for i in range(k + 1):
                 if penalized:
-                    counted = request.output_token_ids + prefix + draft[:i]
+                    counted = request.output_token_ids + draft[:i]
                     own[0].extend([row + i] * len(counted))
                     own[1].extend(counted)
                     if p.repetition_penalty != 1.0:
@@ -231,4 +231,28 @@ def build_sampling_metadata(
         banned_tokens=ints_t[i_banned[1]] if i_banned else None,
         uniform_drafts=floats_t[f_u_drafts],
         uniform_last=floats_t[f_u_last],
+    )
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Its token is the argmax of the raw logits: nothing to penalise, mask or report."""
+    p = request.params
+    return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and request.num_output_tokens >= p.min_tokens and p.logprobs is None)
+
+
+def _plain_greedy_metadata(requests: list[Request], device: torch.device) -> SamplingMetadata:
+    """A step of plain greedy requests without drafts (the common decode step), built without a
+    pass over its rows."""
+    n = len(requests)
+    rows = torch.arange(n, device=device)
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    return SamplingMetadata(
+        requests=requests, num_drafts=[0] * n, errors={}, logprob_rows=[], max_logprobs=0,
+        all_greedy=True, any_greedy=n > 0, max_k=0,
+        greedy=torch.ones(n, dtype=torch.bool, device=device), first_row=rows, num_drafts_t=torch.zeros_like(rows),
+        draft_offset=torch.zeros_like(rows), draft_token_ids=none, draft_request=none, draft_position=none,
+        row_slot=rows, temperature=torch.ones(n, device=device), top_k=None, top_p=None, min_p=None,
+        penalties=None, banned_rows=None, banned_tokens=None,
+        uniform_drafts=torch.zeros(0, device=device), uniform_last=torch.zeros(n, device=device),
     )

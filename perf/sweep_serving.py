@@ -7,6 +7,7 @@ perf/bench_serving.py's load points run against it: every request rate (Poisson 
 every concurrency, with the same prompts for every variant.
 
     engine       the `llm` ensemble, speculative_method none
+    engine-process  the same, the engine core in a process of its own (engine_process true)
     engine+spec  the `llm` ensemble, draft model 1/draft, adaptive k (at most 4)
     hf-baseline  perf/baseline_repository: HF `generate` per dynamic batch, one response per request
 
@@ -43,6 +44,8 @@ BASELINE_REPOSITORY = Path(__file__).resolve().parent / "baseline_repository"
 BASELINE = "hf-baseline"
 VARIANTS = {  # name -> (source repository, model to benchmark, {model: {parameter: value}})
     "engine": (DEFAULT_MODEL_REPOSITORY, "llm", {"llm_engine": {"speculative_method": "none"}}),
+    "engine-process": (DEFAULT_MODEL_REPOSITORY, "llm", {"llm_engine": {
+        "speculative_method": "none", "engine_process": "true"}}),
     "engine+spec": (DEFAULT_MODEL_REPOSITORY, "llm", {"llm_engine": {
         "speculative_method": "draft", "draft_model": "1/draft", "num_speculative_tokens": "4",
         "adaptive_speculation": "true"}}),

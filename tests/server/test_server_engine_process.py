@@ -70,3 +70,12 @@ def test_stopping_the_server_stops_the_core(tmp_path):
     assert _texts(server, PROMPTS[:1], 4)[0]
     server.handle.stop()
     core.wait(timeout=30)  # raises if it outlived the server
+
+
+def test_a_killed_server_leaves_no_core(tmp_path):
+    server = start_test_server(tmp_path, "", {"engine_process": "true"})
+    (core,) = _cores(server)
+    server.handle.process.send_signal(signal.SIGKILL)  # no shutdown at all
+    server.handle.process.wait(timeout=30)
+    core.wait(timeout=30)  # its stub's exit orphans it, and it notices (raises if it lives on)
+    server.handle.stop()
