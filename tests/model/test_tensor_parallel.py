@@ -1,0 +1,74 @@
+"""Tensor-parallel sharding (backend/tensor_parallel.py): N gloo processes, each with its share of
+the model and of the KV cache, compute the logits of the unsharded model, over a prefill and the
+decode steps after it; at TP=4 the tiny Llama's 2 KV heads are replicated."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from backend.attention import TorchAttention
+from backend.model_loader import load_model
+from backend.model_runner import ModelRunner, StepInput
+from backend.tensor_parallel import HeadShard, head_shard, shard_model
+
+PROMPTS = [[5, 9, 200, 17, 3, 3, 40], [100, 101, 102, 7]]
+TABLES = [[0, 1], [2, 3]]  # block_size 8: room for 16 tokens each
+DECODE_STEPS = 4
+
+
+def _generate(model) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Logits of a prefill and DECODE_STEPS greedy decode steps, and the tokens chosen. Every
+    rank computes the same argmax from the same (reduced) logits, so they stay in step."""
+    runner = ModelRunner(model, TorchAttention(), num_blocks=4, block_size=8, device=torch.device("cpu"),
+                         dtype=torch.float32)
+    step = StepInput([], [], [], [])
+    for prompt, table in zip(PROMPTS, TABLES):
+        step.add(prompt, 0, table, 1)
+    logits, tokens = [runner.run(step)], [[] for _ in PROMPTS]
+    for _ in range(DECODE_STEPS):
+        step = StepInput([], [], [], [])
+        for i, (prompt, table) in enumerate(zip(PROMPTS, TABLES)):
+            tokens[i].append(int(logits[-1][i].argmax()))
+            step.add([tokens[i][-1]], len(prompt) + len(tokens[i]) - 1, table, 1)
+        logits.append(runner.run(step))
+    return logits, tokens
+
+
+def _rank(rank: int, world_size: int, model_dir: str, rendezvous: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    model, _ = load_model(model_dir, "float32", torch.device("cpu"), 64)
+    shard_model(model, rank, world_size, lambda t: dist.all_reduce(t))
+    logits, tokens = _generate(model)
+    if rank == 0:
+        torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.args.num_kv_heads}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_sharded_ranks_compute_the_unsharded_model(arch, world_size, request, tmp_path):
+    model_dir = str(request.getfixturevalue(arch))
+    expected_logits, expected_tokens = _generate(load_model(model_dir, "float32", torch.device("cpu"), 64)[0])
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_rank, args=(world_size, model_dir, str(tmp_path / "rendezvous"), str(out)), nprocs=world_size)
+    got = torch.load(out)
+    assert got["tokens"] == expected_tokens  # greedy tokens identical
+    for sharded, whole in zip(got["logits"], expected_logits):
+        torch.testing.assert_close(sharded, whole, atol=1e-5, rtol=1e-4)
+    assert got["kv_heads"] == max(2 // world_size, 1)  # the rank's own KV heads: 1, also when replicated
+
+
+def test_head_shards():
+    assert head_shard(8, 8, 1, 4) == HeadShard(range(2, 4), range(2, 4))
+    assert [head_shard(8, 2, r, 4).kv_heads for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert [head_shard(8, 4, r, 2) for r in range(2)] == [HeadShard(range(0, 4), range(0, 2)),
+                                                         HeadShard(range(4, 8), range(2, 4))]
+    with pytest.raises(ValueError, match="attention heads"):
+        head_shard(6, 2, 0, 4)
+    with pytest.raises(ValueError, match="KV heads must divide"):
+        head_shard(12, 3, 0, 4)
