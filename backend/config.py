@@ -35,6 +35,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlap host work with the GPU; None: on CUDA without speculation
     num_threads: int = 0  # torch CPU threads for the engine; 0 keeps torch's default
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks sharing the target model (rank 0 is the engine; gloo on CPU)
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -70,6 +71,8 @@ class EngineConfig:
             )
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValidationError("draft_model", "required when speculative_method is 'draft'")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValidationError("tensor_parallel_size", f"must be in [1, 64], got {self.tensor_parallel_size}")
         if self.num_threads < 0:
             raise ValidationError("num_threads", f"must be >= 0, got {self.num_threads}")
         if not 0 <= self.num_speculative_tokens <= 16:

@@ -42,6 +42,8 @@ from backend.proposer import PendingTokens, Proposer
 from backend.sampler import PLACEHOLDER_TOKEN, Sampler, SamplerOutput
 from backend.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.speculator import Speculator
+from backend.tensor_parallel import shard_model
+from backend.tp_group import TensorParallelGroup, TensorParallelRunner
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
 
@@ -114,6 +116,17 @@ class LLMEngine:
             )
         model, _ = load_model(config.model, config.dtype, self.device, self.max_model_len)
         self.model = model
+        self.tp: TensorParallelGroup | None = None  # ranks 1..N-1, when the model is sharded
+        if config.tensor_parallel_size > 1:
+            self.tp = TensorParallelGroup(config)
+            shard_model(model, 0, config.tensor_parallel_size, self.tp.all_reduce)
+        try:
+            self._build(config, model, hf_config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, model, hf_config) -> None:
         self.eos_token_ids = self._eos_token_ids(config.model)
         self.vocab_size = model.args.vocab_size
         self.attention = make_attention_backend(config.attention_backend, self.device)
@@ -139,6 +152,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype)
+        if self.tp is not None:  # every rank's KV pool has the same blocks, of its own heads
+            self.tp.broadcast({"num_blocks": self.num_blocks})
+            self.runner = TensorParallelRunner(self.runner, self.tp)
         self.sampler = Sampler(config.seed)
         proposer: Proposer | None = None
         if self.draft_model is not None:
@@ -158,7 +174,8 @@ class LLMEngine:
                                      draft_budget=config.max_num_batched_tokens)
         self.in_flight: InFlightStep | None = None  # overlapped steps: the one launched last
         self.launched: set[str] = set()  # request ids of the step launched last
-        if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs:
+        if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs \
+                and self.tp is None:  # tensor-parallel steps run eagerly for now
             for runner in [self.runner] + ([proposer.runner] if proposer is not None and proposer.runner else []):
                 runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.requests: dict[str, Request] = {}  # request id -> everything about it, until its last output
@@ -167,6 +184,11 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.peak_blocks_used = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.tp is not None:
+            self.tp.close()
 
     # -- set-up ---------------------------------------------------------------------------------
     def _eos_token_ids(self, model_dir: str) -> frozenset[int]:

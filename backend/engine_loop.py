@@ -73,6 +73,7 @@ class EngineLoop:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.engine.close()
 
     def _deliver(self, output: RequestOutput) -> None:
         callback = self._callbacks.get(output.request_id)

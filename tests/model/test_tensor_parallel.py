@@ -1,9 +1,12 @@
-"""Tensor-parallel sharding (backend/tensor_parallel.py): N gloo processes, each with its share of
-the model and of the KV cache, compute the logits of the unsharded model, over a prefill and the
-decode steps after it; at TP=4 the tiny Llama's 2 KV heads are replicated."""
+"""Tensor parallelism: N gloo processes, each with its share of the model and of the KV cache,
+compute the unsharded model's logits (at TP=4 the tiny Llama's 2 KV heads are replicated); the
+engine with tensor_parallel_size N gives TP=1's tokens, with speculation too; a dead worker ends
+every request."""
 from __future__ import annotations
 
-from pathlib import Path
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -11,9 +14,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from backend.attention import TorchAttention
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.engine_loop import EngineLoop
+from backend.errors import ENGINE_DEAD
 from backend.model_loader import load_model
 from backend.model_runner import ModelRunner, StepInput
+from backend.sampling_params import SamplingParams
 from backend.tensor_parallel import HeadShard, head_shard, shard_model
+from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
 
 PROMPTS = [[5, 9, 200, 17, 3, 3, 40], [100, 101, 102, 7]]
 TABLES = [[0, 1], [2, 3]]  # block_size 8: room for 16 tokens each
@@ -72,3 +81,67 @@ def test_head_shards():
         head_shard(6, 2, 0, 4)
     with pytest.raises(ValueError, match="KV heads must divide"):
         head_shard(12, 3, 0, 4)
+
+
+# -- the engine with tensor_parallel_size > 1: rank 0 schedules and samples, workers run forwards --
+
+def _seeded(engine, prompts) -> list[list[int]]:
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.8, seed=i, ignore_eos=True))
+           for i, p in enumerate(prompts)]
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+    return [tokens[i] for i in ids]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_engine_outputs_equal_tp1(tiny_llama, world_size):
+    """Greedy tokens identical to TP=1 and to HF, seeded sampling identical to TP=1 (at TP=4 the
+    2 KV heads are replicated)."""
+    prompts, max_tokens = mixed_prompts(12, seed=4)
+    single = LLMEngine(EngineConfig(model=str(tiny_llama)))
+    expected, expected_seeded = run_engine(single, prompts, max_tokens), _seeded(single, prompts[:6])
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), tensor_parallel_size=world_size))
+    try:
+        assert run_engine(engine, prompts, max_tokens) == expected
+        assert _seeded(engine, prompts[:6]) == expected_seeded
+        assert run_engine(engine, [prompts[0]], [16]) == [hf_greedy(tiny_llama, prompts[0], 16)]
+    finally:
+        engine.close()
+    assert all(w.poll() is not None for w in engine.tp.workers)
+
+
+def test_speculation_under_tp2_is_greedy_identical(tiny_llama):
+    prompts, max_tokens = mixed_prompts(8, seed=5)
+    expected = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama))), prompts, max_tokens)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, speculative_method="draft",
+                                    draft_model=str(tiny_llama), adaptive_speculation=False))
+    try:
+        assert run_engine(engine, prompts, max_tokens) == expected
+        assert engine.stats().spec_accepted_tokens_total > 0
+    finally:
+        engine.close()
+
+
+def test_a_dead_worker_ends_every_request(tiny_llama):
+    loop = EngineLoop(LLMEngine(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2)))
+    finals: dict[str, object] = {}
+    done = threading.Event()
+
+    def on_output(output):
+        if output.finished:
+            finals[output.request_id] = output
+            if len(finals) == 3:
+                done.set()
+
+    loop.start()
+    for i in range(3):
+        loop.submit([5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), on_output)
+    time.sleep(0.5)
+    loop.engine.tp.workers[0].send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    assert done.wait(10) and time.monotonic() - started < 10
+    assert {o.error for o in finals.values()} == {ENGINE_DEAD}
+    assert loop.dead
+    loop.shutdown()

@@ -79,3 +79,28 @@ def test_a_killed_server_leaves_no_core(tmp_path):
     server.handle.process.wait(timeout=30)
     core.wait(timeout=30)  # its stub's exit orphans it, and it notices (raises if it lives on)
     server.handle.stop()
+
+
+def _workers(server) -> list[psutil.Process]:
+    tritonserver = psutil.Process(server.handle.process.pid)
+    return [p for p in tritonserver.children(recursive=True) if "backend.tp_worker" in " ".join(p.cmdline())]
+
+
+def test_tensor_parallel_streams_equal_tp1_and_a_killed_worker_ends_them(tmp_path, server):
+    tp = start_test_server(tmp_path, "", {"tensor_parallel_size": "2"})
+    try:
+        (worker,) = _workers(tp)
+        prompts = PROMPTS * 2  # 16 concurrent streams
+        assert _texts(tp, prompts) == _texts(server, prompts)
+        with ThreadPoolExecutor(4) as pool:
+            running = [pool.submit(_texts, tp, [p], 1500) for p in PROMPTS[:4]]
+            time.sleep(1.0)
+            worker.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            for future in running:
+                with pytest.raises(GenerationError, match="the engine has failed"):
+                    future.result(timeout=30)
+            assert time.monotonic() - killed < 10
+    finally:
+        tp.handle.stop()
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE  # dead, if not reaped yet

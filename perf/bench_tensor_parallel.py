@@ -1,0 +1,98 @@
+"""Tensor parallelism on a CPU: the same greedy workload through the engine at TP=1 and at TP=N,
+side by side in one run, with the share of rank 0's time spent in all-reduces and step
+broadcasts.
+
+On one machine's CPU cores the ranks share what TP=1 uses alone (torch's threads), so expect
+little speed-up: the figure is the cost of the communication, not a GPU's scaling.
+
+    python perf/bench_tensor_parallel.py                       # a random 4-layer Llama, TP 1 vs 2
+    python perf/bench_tensor_parallel.py --tensor-parallel-size 4 --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.config import EngineConfig  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.sampling_params import SamplingParams  # noqa: E402
+from perf.bench_engine import make_workload, write_random_llama  # noqa: E402
+
+
+class Timer:
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+        return timed
+
+
+def run(config: EngineConfig, workload) -> tuple[float, float, list[list[int]]]:
+    """tok/s, the share of the wall time in communication (rank 0), and the outputs."""
+    engine = LLMEngine(config)
+    comm = Timer()
+    if engine.tp is not None:
+        engine.tp.broadcast = comm.wrap(engine.tp.broadcast)
+        for layer in engine.model.model.layers:  # the hooks hold the all-reduce they were given
+            for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                for key, hook in list(module._forward_hooks.items()):
+                    module._forward_hooks[key] = comm.wrap(hook)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+           for p, m in zip(workload.prompts, workload.max_tokens)]
+    outputs = {i: [] for i in ids}
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] += out.token_ids
+    wall = time.perf_counter() - started
+    engine.close()
+    return workload.useful_tokens / wall, comm.seconds / wall, [outputs[i] for i in ids]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tensor-parallel-size", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--max-position-embeddings", type=int, default=1024)
+    ap.add_argument("--min-prompt", type=int, default=32)
+    ap.add_argument("--max-prompt", type=int, default=128)
+    ap.add_argument("--min-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_llama(Path(tmp), args)
+        workload = make_workload(args.num_requests, args.vocab, args, args.seed)
+        rows = []
+        for tp in (1, args.tensor_parallel_size):
+            config = EngineConfig(model=str(model_dir), num_threads=args.threads, tensor_parallel_size=tp)
+            rows.append((tp, *run(config, workload)))
+    base = rows[0]
+    print(f"random Llama: hidden {args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads; "
+          f"{args.num_requests} requests, {workload.useful_tokens} tokens, greedy; {args.threads} thread(s) per rank")
+    print("| tensor_parallel_size | tok/s | vs TP=1 | rank 0's time in all-reduce + broadcast | outputs = TP=1 |")
+    print("|---:|---:|---:|---:|---|")
+    for tp, tok_s, comm, outputs in rows:
+        print(f"| {tp} | {tok_s:.1f} | {tok_s / base[1]:.2f}x | {comm:.0%} | {outputs == base[3]} |")
+
+
+if __name__ == "__main__":
+    main()
