@@ -40,6 +40,19 @@ def _cores(server) -> list[psutil.Process]:
     return [p for p in tritonserver.children(recursive=True) if "backend.engine_core" in " ".join(p.cmdline())]
 
 
+def _kill_mid_stream(server, victim: psutil.Process) -> None:
+    """SIGKILL `victim` while 4 streams generate: each ends with the engine's error within 10 s."""
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(_texts, server, [p], 1500) for p in PROMPTS[:4]]
+        time.sleep(1.0)  # generating
+        victim.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        for future in running:
+            with pytest.raises(GenerationError, match="the engine has failed"):
+                future.result(timeout=30)
+        assert time.monotonic() - killed < 10
+
+
 def test_streams_equal_the_in_process_engine(core_server, server):
     assert len(_cores(core_server)) == 1 and not _cores(server)
     assert _texts(core_server, PROMPTS) == _texts(server, PROMPTS)
@@ -47,15 +60,7 @@ def test_streams_equal_the_in_process_engine(core_server, server):
 
 def test_a_killed_core_ends_streams_with_an_error_and_leaves_no_process(core_server):
     (core,) = _cores(core_server)
-    with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(_texts, core_server, [p], 1500) for p in PROMPTS[:4]]
-        time.sleep(1.0)  # generating
-        core.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        for future in running:
-            with pytest.raises(GenerationError, match="the engine has failed"):
-                future.result(timeout=30)
-        assert time.monotonic() - killed < 10
+    _kill_mid_stream(core_server, core)
     deadline = time.monotonic() + 30  # llm_engine unloads itself
     while model_ready(core_server, "llm_engine") and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -92,15 +97,7 @@ def test_tensor_parallel_streams_equal_tp1_and_a_killed_worker_ends_them(tmp_pat
         (worker,) = _workers(tp)
         prompts = PROMPTS * 2  # 16 concurrent streams
         assert _texts(tp, prompts) == _texts(server, prompts)
-        with ThreadPoolExecutor(4) as pool:
-            running = [pool.submit(_texts, tp, [p], 1500) for p in PROMPTS[:4]]
-            time.sleep(1.0)
-            worker.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            for future in running:
-                with pytest.raises(GenerationError, match="the engine has failed"):
-                    future.result(timeout=30)
-            assert time.monotonic() - killed < 10
+        _kill_mid_stream(tp, worker)
     finally:
         tp.handle.stop()
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE  # dead, if not reaped yet
