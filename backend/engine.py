@@ -119,7 +119,7 @@ class LLMEngine:
         self.tp: TensorParallelGroup | None = None  # ranks 1..N-1, when the model is sharded
         if config.tensor_parallel_size > 1:
             self.tp = TensorParallelGroup(config)
-            shard_model(model, 0, config.tensor_parallel_size, self.tp.all_reduce)
+            shard_model(model, 0, config.tensor_parallel_size, self.tp.all_reduce, self.tp.all_gather)
         try:
             self._build(config, model, hf_config)
         except BaseException:

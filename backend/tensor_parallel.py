@@ -8,7 +8,11 @@ of the row-parallel projections are summed across ranks.
     o_proj        row-parallel: the columns of its q heads, then all-reduce (bias on rank 0 only)
     gate_up_proj  column-parallel: rows [r I/N, (r+1) I/N) of gate and of up
     down_proj     row-parallel: the matching columns, then all-reduce (bias on rank 0 only)
-    embeddings, norms, lm_head: replicated (rank 0 alone samples)
+    embed_tokens  vocab-parallel: rank r keeps rows [r V', (r+1) V') (V' = ceil(V / N)); a token
+                  outside them embeds as zeros, and the ranks' embeddings are summed
+    lm_head       vocab-parallel: each rank scores its rows, the scores are gathered (every rank
+                  gets the whole logits; rank 0 alone samples)
+    norms         replicated
 
 `model.args` becomes the rank's view (its heads, KV heads and MLP width), so a ModelRunner built
 on the sharded model sizes a KV pool of the rank's own KV heads, for the same block ids as every
@@ -26,6 +30,7 @@ from torch import nn
 from backend.model import LlamaForCausalLM, Linear
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
+AllGather = Callable[[torch.Tensor], list[torch.Tensor]]  # every rank's tensor (same shape), in rank order
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,37 @@ def head_shard(num_heads: int, num_kv_heads: int, rank: int, world_size: int) ->
     return HeadShard(q_heads, range(kv_head, kv_head + 1))
 
 
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [start, stop) of the embedding table; the ranks' outputs are summed."""
+
+    def __init__(self, weight: torch.Tensor, start: int, stop: int, all_reduce: AllReduce):
+        super().__init__()
+        self.weight = nn.Parameter(weight[start:stop].clone(), requires_grad=False)
+        self.start, self.stop, self.all_reduce = start, stop, all_reduce
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        mine = (input_ids >= self.start) & (input_ids < self.stop)
+        local = torch.where(mine, input_ids - self.start, 0)
+        out = nn.functional.embedding(local, self.weight) * mine[:, None].to(self.weight.dtype)
+        self.all_reduce(out)
+        return out
+
+
+class ParallelLMHead(nn.Module):
+    """Scores for this rank's vocabulary rows; the ranks' scores gathered into the whole logits."""
+
+    def __init__(self, weight: torch.Tensor, start: int, stop: int, rows_per_rank: int, vocab_size: int,
+                 all_gather: AllGather):
+        super().__init__()
+        self.weight = nn.Parameter(weight[start:stop].clone(), requires_grad=False)
+        self.rows_per_rank, self.vocab_size, self.all_gather = rows_per_rank, vocab_size, all_gather
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        scores = nn.functional.linear(x, self.weight)
+        padded = nn.functional.pad(scores, (0, self.rows_per_rank - scores.shape[1]))  # equal shapes to gather
+        return torch.cat(self.all_gather(padded), dim=1)[:, : self.vocab_size]
+
+
 def _keep_rows(linear: Linear, rows: list[slice]) -> None:
     """Keep these output rows (in this order) of a linear layer's weight and bias."""
     linear.weight = nn.Parameter(torch.cat([linear.weight.data[r] for r in rows]), requires_grad=False)
@@ -72,9 +108,18 @@ def _keep_columns(linear: Linear, columns: slice, rank: int, all_reduce: AllRedu
     linear.register_forward_hook(reduce)
 
 
-def shard_model(model: LlamaForCausalLM, rank: int, world_size: int, all_reduce: AllReduce) -> None:
+def shard_model(model: LlamaForCausalLM, rank: int, world_size: int, all_reduce: AllReduce,
+                all_gather: AllGather) -> None:
     """Cut a loaded model down to rank `rank`'s share, in place."""
     args = model.args
+    rows_per_rank = -(-args.vocab_size // world_size)
+    start, stop = min(rank * rows_per_rank, args.vocab_size), min((rank + 1) * rows_per_rank, args.vocab_size)
+    embedding = model.model.embed_tokens.weight.data
+    head = model.lm_head.weight.data  # the same tensor when the embeddings are tied
+    model.model.embed_tokens = VocabParallelEmbedding(embedding, start, stop, all_reduce)
+    model.lm_head = ParallelLMHead(head, start, stop, rows_per_rank, args.vocab_size, all_gather)
+    if args.tie_word_embeddings:  # one copy of the shared rows
+        model.lm_head.weight = model.model.embed_tokens.weight
     d = args.head_dim
     shard = head_shard(args.num_heads, args.num_kv_heads, rank, world_size)
     if args.intermediate_size % world_size:

@@ -48,6 +48,9 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return all_gather(tensor, self.group)
+
     def broadcast(self, message: object) -> None:
         """Send every worker one object (a StepInput, the KV pool's size, or None: stop)."""
         self.check_workers()
@@ -79,6 +82,13 @@ class TensorParallelGroup:
         dist.destroy_process_group(self.group)
         if os.path.exists(self.rendezvous):
             os.remove(self.rendezvous)
+
+
+def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's `tensor` (all of one shape), in rank order."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return gathered
 
 
 def _init_group(rendezvous: str, rank: int, world_size: int):

@@ -22,7 +22,7 @@ from backend.engine import resolve_device
 from backend.model_loader import TORCH_DTYPES, load_hf_config, load_model
 from backend.model_runner import ModelRunner
 from backend.tensor_parallel import shard_model
-from backend.tp_group import _init_group
+from backend.tp_group import _init_group, all_gather
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -46,7 +46,8 @@ def main() -> None:
     device = resolve_device(config.device)
     max_model_len = config.max_model_len or load_hf_config(config.model).max_position_embeddings
     model, _ = load_model(config.model, config.dtype, device, max_model_len)
-    shard_model(model, args.rank, config.tensor_parallel_size, lambda t: dist.all_reduce(t, group=group))
+    shard_model(model, args.rank, config.tensor_parallel_size, lambda t: dist.all_reduce(t, group=group),
+                lambda t: all_gather(t, group))
     attention = make_attention_backend(config.attention_backend, device)
     model.use_triton_kernels(attention.name == "triton")
     setup = [None]

@@ -22,6 +22,8 @@ from backend.model_loader import load_model
 from backend.model_runner import ModelRunner, StepInput
 from backend.sampling_params import SamplingParams
 from backend.tensor_parallel import HeadShard, head_shard, shard_model
+from backend.tp_group import all_gather
+from tests.conftest import TINY_VOCAB
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
 
 PROMPTS = [[5, 9, 200, 17, 3, 3, 40], [100, 101, 102, 7]]
@@ -51,10 +53,12 @@ def _rank(rank: int, world_size: int, model_dir: str, rendezvous: str, out: str)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     torch.set_num_threads(1)
     model, _ = load_model(model_dir, "float32", torch.device("cpu"), 64)
-    shard_model(model, rank, world_size, lambda t: dist.all_reduce(t))
+    shard_model(model, rank, world_size, lambda t: dist.all_reduce(t), lambda t: all_gather(t, dist.group.WORLD))
     logits, tokens = _generate(model)
     if rank == 0:
-        torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.args.num_kv_heads}, out)
+        torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.args.num_kv_heads,
+                    "vocab_rows": model.model.embed_tokens.weight.shape[0], "tied": model.lm_head.weight is
+                    model.model.embed_tokens.weight}, out)
     dist.destroy_process_group()
 
 
@@ -70,6 +74,8 @@ def test_sharded_ranks_compute_the_unsharded_model(arch, world_size, request, tm
     for sharded, whole in zip(got["logits"], expected_logits):
         torch.testing.assert_close(sharded, whole, atol=1e-5, rtol=1e-4)
     assert got["kv_heads"] == max(2 // world_size, 1)  # the rank's own KV heads: 1, also when replicated
+    assert got["vocab_rows"] == -(-TINY_VOCAB // world_size)  # rank 0's share of the vocabulary
+    assert got["tied"] == (arch == "tiny_qwen2")  # tied embeddings stay one tensor
 
 
 def test_head_shards():
