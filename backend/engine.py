@@ -118,6 +118,8 @@ class LLMEngine:
         self.model = model
         self.tp: TensorParallelGroup | None = None  # ranks 1..N-1, when the model is sharded
         if config.tensor_parallel_size > 1:
+            if self.device.type != "cpu":  # the ranks would need NCCL and a device each
+                raise ValidationError("tensor_parallel_size", "above 1 runs on CPUs (gloo) only so far")
             self.tp = TensorParallelGroup(config)
             shard_model(model, 0, config.tensor_parallel_size, self.tp.all_reduce, self.tp.all_gather)
         try:
