@@ -29,6 +29,7 @@ from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.errors import INTERNAL_ERROR, ValidationError, is_fatal
 from backend.fault_injection import FaultHook
+from backend.host_copy import HostCopy
 from backend.host_memory import retain_freed_memory
 from backend.linear_tuner import tune_small_batch_linears
 from backend.model_loader import TORCH_DTYPES, load_draft_model, load_hf_config, load_model
@@ -39,7 +40,7 @@ from backend.request_limits import RequestLimits
 from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
 from backend.proposer import PendingTokens, Proposer
-from backend.sampler import PLACEHOLDER_TOKEN, Sampler, SamplerOutput
+from backend.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
 from backend.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.speculator import Speculator
 from backend.tensor_parallel import shard_model
@@ -69,12 +70,10 @@ class EngineStats:
 @dataclass(slots=True)
 class InFlightStep:
     """A sampled step on its way to the host: its requests and their rows (`meta`), its tokens
-    as the next overlapped step reads them (`pending`, on the device) and their host copy;
-    `ready` marks the copy's arrival (None on a CPU: the copy is the tensor itself)."""
+    as the next overlapped step reads them (`pending`, on the device) and their host copy."""
     meta: SamplingMetadata
     pending: PendingTokens | None
-    host: SamplerOutput
-    ready: torch.cuda.Event | None
+    host: HostCopy  # the tokens [B, max_k + 1], then the logprobs' tensors when asked for
 
 
 def pending_tokens(meta: SamplingMetadata, token_ids: torch.Tensor, last_known: list[int]) -> PendingTokens:
@@ -354,12 +353,8 @@ class LLMEngine:
         output = self.sampler(logits, meta, q)
         # what the next step reads before the tokens reach the host (overlapped steps only)
         pending = pending_tokens(meta, output.token_ids, last_known) if self.overlap else None
-        host = output.to("cpu", non_blocking=True)
-        ready = None
-        if output.token_ids.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        return InFlightStep(meta, pending, host, ready)
+        logprobs = output.logprobs.tensors() if output.logprobs is not None else ()
+        return InFlightStep(meta, pending, HostCopy(output.token_ids, *logprobs))
 
     def _read_back(self) -> list[RequestOutput]:
         """Wait for the in-flight step's tokens, then append them to their requests (those still
@@ -368,10 +363,9 @@ class LLMEngine:
         step, self.in_flight = self.in_flight, None
         if step is None:
             return []
-        if step.ready is not None:
-            step.ready.synchronize()
-        tokens = step.host.token_ids.tolist()
-        logprobs = step.host.logprobs.entries() if step.host.logprobs is not None else {}
+        token_ids, *logprob_tensors = step.host.wait()
+        tokens = token_ids.tolist()
+        logprobs = Logprobs(step.meta.logprob_rows, *logprob_tensors).entries() if logprob_tensors else {}
         outputs = []
         first_row = 0
         for request, k, row_tokens in zip(step.meta.requests, step.meta.num_drafts, tokens):
@@ -387,7 +381,6 @@ class LLMEngine:
                 self.speculator.record(request, k, num_accepted)
                 if request.status is RequestStatus.RUNNING:  # (preempted: recomputed from 0)
                     self._roll_back(request, k - num_accepted)
-            request.spec.drafted_ahead = False
             entries = [self._logprob_entry(logprobs.get(row), token, request.params.logprobs)
                        for row, token in zip(rows, new)]
             # trim: no block stays for rejected positions, unless the step launched since holds them

@@ -1,27 +1,32 @@
-"""A device tensor on its way to the host, copied without waiting for the device's queue."""
+"""Device tensors on their way to the host, copied without waiting for the device's queue."""
 from __future__ import annotations
 
 import torch
 
 
 class HostCopy:
-    """Started at once (into pinned memory on CUDA); `values()` waits for this copy only, not for
-    the work queued after it."""
+    """Started at once (into pinned memory on CUDA); `wait()` waits for these copies only, not
+    for the work queued after them."""
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, *tensors: torch.Tensor):
         self.ready: torch.cuda.Event | None = None
-        if tensor.is_cuda:
-            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self.host.copy_(tensor, non_blocking=True)
+        self.host = list(tensors)
+        if any(t.is_cuda for t in tensors):
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                         for t in tensors]
             self.ready = torch.cuda.Event()
             self.ready.record()
-        else:
-            self.host = tensor
-        self._values: list | None = None
+        self._values: list[list] | None = None
 
-    def values(self) -> list:
+    def wait(self) -> list[torch.Tensor]:
+        """The host tensors, once the copies have landed."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        return self.host
+
+    def values(self) -> list[list]:
+        """Each tensor as (nested) Python lists."""
         if self._values is None:
-            if self.ready is not None:
-                self.ready.synchronize()
-            self._values = self.host.tolist()
+            self._values = [t.tolist() for t in self.wait()]
         return self._values

@@ -27,7 +27,7 @@ class Proposal:
     def host_token_ids(self) -> list[int]:
         if self.token_ids is None:
             copy, offset = self.host_copy
-            self.token_ids = copy.values()[offset : offset + len(self.device_token_ids)]
+            self.token_ids = copy.values()[0][offset : offset + len(self.device_token_ids)]
         return self.token_ids
 
 

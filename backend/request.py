@@ -47,7 +47,6 @@ class SpecState:
     # draft tokens to verify this step; None while they are on the device only (`proposal`)
     draft_token_ids: list[int] | None = field(default_factory=list)
     proposal: Proposal | None = None  # the draft model's, as proposed (tokens on the device too)
-    drafted_ahead: bool = False  # drafted from last step's tokens before they reached the host
     num_lookahead_tokens: int = 0  # draft tokens the scheduler reserves room for this step
     num_computed_tokens: int = 0  # tokens whose K/V are in the draft model's pool
     num_draft_tokens: int = 0  # drafted so far
@@ -55,10 +54,16 @@ class SpecState:
     survival: Survival | None = None  # its own acceptance counts, once it has verified drafts
     expected_yield: np.ndarray | None = None  # E(0..max_k) as this step's plan expects it
 
+    @property
+    def drafted_ahead(self) -> bool:
+        """Drafted from last step's tokens before they reached the host (its draft's count then
+        assumes every verified draft was accepted)."""
+        return self.draft_token_ids is None
+
     def drop_drafts(self) -> None:
         """The draft's KV is gone (preemption): nothing reserved, nothing to verify, read again."""
         self.draft_token_ids, self.num_lookahead_tokens, self.num_computed_tokens = [], 0, 0
-        self.proposal, self.drafted_ahead = None, False
+        self.proposal = None
 
 
 @dataclass(slots=True)

@@ -65,6 +65,9 @@ class Logprobs:
     top_values: torch.Tensor
     top_ids: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.chosen, self.top_values, self.top_ids
+
     def entries(self) -> dict[int, tuple[float, list[int], list[float]]]:
         """Row -> (the chosen token's logprob, top ids, top logprobs), read from host tensors."""
         chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
@@ -73,23 +76,11 @@ class Logprobs:
 
 @dataclass(slots=True)
 class SamplerOutput:
-    """A step's sampled tokens, on the device until the engine copies them back."""
+    """A step's sampled tokens, on the device until the engine copies them back (HostCopy)."""
     token_ids: torch.Tensor  # [B, max_k + 1] int64: accepted drafts, then the recovered or bonus
     # token, then PLACEHOLDER_TOKEN; a request without drafts has its one token in column 0
     probs: torch.Tensor | None  # [R, vocab] the distributions sampled from; None when all greedy
     logprobs: Logprobs | None
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> SamplerOutput:
-        """Copies of the tokens and logprobs (not the distributions) on `device`."""
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if t.device == torch.device(device) or not t.is_cuda:
-                return t
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=non_blocking)
-
-        logprobs = self.logprobs
-        if logprobs is not None:
-            logprobs = Logprobs(logprobs.rows, move(logprobs.chosen), move(logprobs.top_values), move(logprobs.top_ids))
-        return SamplerOutput(move(self.token_ids), None, logprobs)
 
 
 class Sampler:

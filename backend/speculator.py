@@ -118,7 +118,6 @@ class Speculator:
         proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward, catch_up, pending)
         for r, proposal in zip(to_draft, proposals):
             r.spec.draft_token_ids, r.spec.proposal = proposal.token_ids, proposal
-            r.spec.drafted_ahead = proposal.token_ids is None
             probs[r.request_id] = proposal.probs
         return probs
 
