@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from backend.request import Request
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold num_tokens tokens."""
+    return (num_tokens + block_size - 1) // block_size
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -44,7 +49,7 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return (num_tokens + self.block_size - 1) // self.block_size
+        return blocks_needed(num_tokens, self.block_size)
 
     # -- prefix cache -------------------------------------------------------------------------
     @staticmethod

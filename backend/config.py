@@ -1,7 +1,8 @@
 """Engine configuration: one dataclass, validated in __post_init__."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import json
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,13 @@ class EngineConfig:
             raise ValidationError(
                 "num_speculative_tokens", f"must be in [0, 16], got {self.num_speculative_tokens}"
             )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        return cls(**json.loads(text))
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> EngineConfig:

@@ -13,7 +13,6 @@ The process exits when told to stop, or when its parent is gone (checked every p
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import threading
@@ -101,7 +100,7 @@ def main() -> None:
     parser.add_argument("--parent", type=int, required=True, help="exit when this process is gone")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="engine core: %(levelname)s %(message)s")
-    config = EngineConfig(**json.loads(args.config))
+    config = EngineConfig.from_json(args.config)
     raise SystemExit(serve(config, args.requests, args.outputs, args.parent))
 
 

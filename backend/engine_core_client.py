@@ -9,18 +9,14 @@ with ENGINE_DEAD within RECEIVE_POLL_S and `dead` is set; `shutdown` stops it an
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import subprocess
-import sys
-import tempfile
 import threading
-import uuid
 
 import zmq
 
+from backend.child_process import start_module, unique_path
 from backend.config import EngineConfig
 from backend.engine import EngineStats
 from backend.errors import ENGINE_DEAD, EngineDeadError
@@ -51,9 +47,9 @@ class EngineCoreFacts:
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, python: str | None = None):
+    def __init__(self, config: EngineConfig):
         self.context = zmq.Context()
-        name = f"{tempfile.gettempdir()}/specserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"  # one per instance
+        name = unique_path("core")
         self.requests = self.context.socket(zmq.PUSH)
         self.requests.bind(f"ipc://{name}-requests")
         self.outputs = self.context.socket(zmq.PULL)
@@ -64,12 +60,8 @@ class EngineCoreClient:
         self._next_id = 0
         self._stopping = False
         self.dead = False
-        # the stub's interpreter is not a Python executable: the launcher names the one to use
-        python = python or os.environ.get("SPECSERVE_PYTHON") or sys.executable
-        self.process = subprocess.Popen([
-            python, "-m", "backend.engine_core", "--config", json.dumps(dataclasses.asdict(config)),
-            "--requests", f"ipc://{name}-requests", "--outputs", f"ipc://{name}-outputs", "--parent", str(os.getpid()),
-        ])
+        self.process = start_module("backend.engine_core", config, "--requests", f"ipc://{name}-requests",
+                                    "--outputs", f"ipc://{name}-outputs", "--parent", str(os.getpid()))
         self.engine = self._wait_ready()
         self._receiver = threading.Thread(target=self._receive, name="specserve-core-receiver", daemon=True)
 

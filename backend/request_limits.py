@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from backend.block_manager import blocks_needed
 from backend.errors import ValidationError
 from backend.sampling_params import SamplingParams
 
@@ -36,7 +37,7 @@ class RequestLimits:
                 f"must be in [1, {self.max_model_len - len(prompt_ids)}] for this {len(prompt_ids)}-token "
                 f"prompt (context {self.max_model_len}), got {params.max_tokens}",
             )
-        need = -(-(len(prompt_ids) + params.max_tokens) // self.block_size)
+        need = blocks_needed(len(prompt_ids) + params.max_tokens, self.block_size)
         if need > self.num_blocks:
             raise ValidationError(
                 "max_tokens", f"prompt + max_tokens needs {need} KV blocks; the pool has {self.num_blocks}"

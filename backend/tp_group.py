@@ -11,18 +11,14 @@ process is gone; `close()` stops them and waits, killing any left after a grace 
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import json
 import os
 import subprocess
-import sys
-import tempfile
-import uuid
 
 import torch
 import torch.distributed as dist
 
+from backend.child_process import start_module, unique_path
 from backend.config import EngineConfig
 from backend.errors import FatalEngineError
 from backend.model_runner import ModelRunner, StepInput
@@ -32,14 +28,12 @@ CLOSE_GRACE_S = 10.0
 
 
 class TensorParallelGroup:
-    def __init__(self, config: EngineConfig, python: str | None = None):
+    def __init__(self, config: EngineConfig):
         self.world_size = config.tensor_parallel_size
-        self.rendezvous = f"{tempfile.gettempdir()}/specserve-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        python = python or os.environ.get("SPECSERVE_PYTHON") or sys.executable
-        config_json = json.dumps(dataclasses.asdict(config))
+        self.rendezvous = unique_path("tp")
         self.workers = [
-            subprocess.Popen([python, "-m", "backend.tp_worker", "--config", config_json, "--rank", str(rank),
-                              "--rendezvous", self.rendezvous, "--parent", str(os.getpid())])
+            start_module("backend.tp_worker", config, "--rank", str(rank), "--rendezvous", self.rendezvous,
+                         "--parent", str(os.getpid()))
             for rank in range(1, self.world_size)
         ]
         self.group = _init_group(self.rendezvous, 0, self.world_size)

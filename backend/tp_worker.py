@@ -8,7 +8,6 @@ It exits when told to (a None step), or when its parent, the engine's process, i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import threading
 import time
@@ -39,7 +38,7 @@ def main() -> None:
     ap.add_argument("--parent", type=int, required=True)
     args = ap.parse_args()
     threading.Thread(target=_exit_with_parent, args=(args.parent,), daemon=True).start()
-    config = EngineConfig(**json.loads(args.config))
+    config = EngineConfig.from_json(args.config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     group = _init_group(args.rendezvous, args.rank, config.tensor_parallel_size)

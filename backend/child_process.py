@@ -1,0 +1,23 @@
+"""Starting the engine's helper processes: the engine core, tensor-parallel workers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+
+from backend.config import EngineConfig
+
+
+def start_module(module: str, config: EngineConfig, *args: str) -> subprocess.Popen:
+    """`python -m module --config JSON args...` on the Python the launcher names in SPECSERVE_PYTHON
+    (the Triton stub that hosts an engine is no Python executable), else on this one."""
+    python = os.environ.get("SPECSERVE_PYTHON") or sys.executable
+    return subprocess.Popen([python, "-m", module, "--config", config.to_json(), *args])
+
+
+def unique_path(kind: str) -> str:
+    """A file path no other engine on this host uses (IPC sockets, rendezvous): several instances
+    share a host."""
+    return f"{tempfile.gettempdir()}/specserve-{kind}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
