@@ -300,9 +300,8 @@ def report(results: list[RunResult], kv: KVStats, timer: PhaseTimer, targets: di
     return "\n".join(lines)
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="existing HF checkpoint directory (default: write a random Llama)")
+def add_model_and_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The random Llama's shape (write_random_llama) and the workload's lengths (make_workload)."""
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -310,10 +309,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--max-position-embeddings", type=int, default=1024)
-    p.add_argument("--num-requests", type=int, help="default 64 (16 with --quick)")
     p.add_argument("--min-prompt", type=int, default=32)
-    p.add_argument("--max-prompt", type=int, help="default 256 (128 with --quick)")
     p.add_argument("--min-tokens", type=int, default=16)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="existing HF checkpoint directory (default: write a random Llama)")
+    add_model_and_workload_arguments(p)
+    p.add_argument("--num-requests", type=int, help="default 64 (16 with --quick)")
+    p.add_argument("--max-prompt", type=int, help="default 256 (128 with --quick)")
     p.add_argument("--max-tokens", type=int, help="default 128 (48 with --quick)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="HF static batch size")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine: running requests at most")

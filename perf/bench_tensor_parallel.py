@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.bench_engine import make_workload, write_random_llama  # noqa: E402
+from perf.bench_engine import add_model_and_workload_arguments, make_workload, write_random_llama  # noqa: E402
 
 
 class Timer:
@@ -66,17 +66,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tensor-parallel-size", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
+    add_model_and_workload_arguments(ap)
     ap.add_argument("--num-requests", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--max-position-embeddings", type=int, default=1024)
-    ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=128)
-    ap.add_argument("--min-tokens", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -5,7 +5,6 @@ every request."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import pytest
@@ -24,6 +23,7 @@ from backend.sampling_params import SamplingParams
 from backend.tensor_parallel import HeadShard, head_shard, shard_model
 from backend.tp_group import all_gather
 from tests.conftest import TINY_VOCAB
+from tests.model.test_engine_core import Collector
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
 
 PROMPTS = [[5, 9, 200, 17, 3, 3, 40], [100, 101, 102, 7]]
@@ -132,22 +132,15 @@ def test_speculation_under_tp2_is_greedy_identical(tiny_llama):
 
 def test_a_dead_worker_ends_every_request(tiny_llama):
     loop = EngineLoop(LLMEngine(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2)))
-    finals: dict[str, object] = {}
-    done = threading.Event()
-
-    def on_output(output):
-        if output.finished:
-            finals[output.request_id] = output
-            if len(finals) == 3:
-                done.set()
-
+    collector = Collector()
+    collector.expected = 3
     loop.start()
     for i in range(3):
-        loop.submit([5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), on_output)
+        loop.submit([5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), collector)
     time.sleep(0.5)
     loop.engine.tp.workers[0].send_signal(signal.SIGKILL)
     started = time.monotonic()
-    assert done.wait(10) and time.monotonic() - started < 10
-    assert {o.error for o in finals.values()} == {ENGINE_DEAD}
+    assert collector.done.wait(10) and time.monotonic() - started < 10
+    assert {o.error for o in collector.final.values()} == {ENGINE_DEAD}
     assert loop.dead
     loop.shutdown()
