@@ -43,7 +43,7 @@ from backend.proposer import PendingTokens, Proposer
 from backend.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
 from backend.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.speculator import Speculator
-from backend.tensor_parallel import shard_model
+from backend.tensor_parallel import TensorParallelRank
 from backend.tp_group import TensorParallelGroup, TensorParallelRunner
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
@@ -113,15 +113,16 @@ class LLMEngine:
                 "max_model_len",
                 f"must be <= the model's max_position_embeddings ({hf_config.max_position_embeddings})",
             )
-        model, _ = load_model(config.model, config.dtype, self.device, self.max_model_len)
-        self.model = model
         self.tp: TensorParallelGroup | None = None  # ranks 1..N-1, when the model is sharded
+        rank = None
         if config.tensor_parallel_size > 1:
             if self.device.type != "cpu":  # the ranks would need NCCL and a device each
                 raise ValidationError("tensor_parallel_size", "above 1 runs on CPUs (gloo) only so far")
             self.tp = TensorParallelGroup(config)
-            shard_model(model, 0, config.tensor_parallel_size, self.tp.all_reduce, self.tp.all_gather)
+            rank = TensorParallelRank(0, config.tensor_parallel_size, self.tp.all_reduce, self.tp.all_gather)
         try:
+            model, _ = load_model(config.model, config.dtype, self.device, self.max_model_len, rank)
+            self.model = model
             self._build(config, model, hf_config)
         except BaseException:
             self.close()

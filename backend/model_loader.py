@@ -1,10 +1,14 @@
 """Load a Llama-family model from a local HF checkpoint directory.
 
 Config through transformers (so every RoPE scaling variant it knows is computed the same way),
-weights through safetensors, straight into backend.model's modules (the names match HF's).
+weights through safetensors, straight into backend.model's modules (the names match HF's). The
+model is built on the meta device first; under tensor parallelism it is sharded there, and each
+weight's share is read out of the checkpoint on its own, so a rank never holds the whole model.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,6 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from backend.errors import ValidationError
 from backend.model import PACKED_PROJECTIONS, LlamaForCausalLM, ModelArgs, RotaryEmbedding
+from backend.tensor_parallel import TensorParallelRank, checkpoint_slice, rank_share, shard_model
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,19 +69,34 @@ def rope_inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[t
     return inv_freq, float(scaling)
 
 
+WHOLE = (slice(None),)
+Selector = Callable[[str], "tuple[slice, ...] | None"]  # checkpoint name -> the part to read (None: none)
+
+
+def _whole(name: str) -> tuple[slice, ...]:
+    return WHOLE
+
+
 def load_model(
-    model_dir: str | Path, dtype: str, device: torch.device, max_model_len: int
+    model_dir: str | Path, dtype: str, device: torch.device, max_model_len: int,
+    tensor_parallel: TensorParallelRank | None = None,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+    """The model, or with `tensor_parallel` one rank's shard of it."""
     config = load_hf_config(model_dir)
     args = model_args(config)
     inv_freq, scaling = rope_inverse_frequencies(config, args.head_dim)
     with torch.device("meta"):
         model = LlamaForCausalLM(args, RotaryEmbedding(inv_freq.to("meta"), scaling, 1))
+    select: Selector = _whole
+    if tensor_parallel is not None:
+        share = rank_share(args, tensor_parallel.rank, tensor_parallel.world_size)
+        select = functools.partial(checkpoint_slice, share=share, rank=tensor_parallel.rank)
+        shard_model(model, tensor_parallel)  # shapes only: nothing is allocated yet
     model = model.to_empty(device=device).to(TORCH_DTYPES[dtype])
     rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
     for layer in model.model.layers:
         layer.self_attn.rotary = rotary
-    _load_weights(model, Path(model_dir), device)
+    _load_weights(model, Path(model_dir), device, select)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval(), config
@@ -94,7 +114,7 @@ def _parameter_for(model: LlamaForCausalLM, name: str) -> tuple[str, slice | Non
     return f"{parent}.{packed}.{kind}", module.shard_rows(shard)
 
 
-def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device) -> None:
+def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device, select: Selector) -> None:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValidationError("model", f"no *.safetensors weights in {model_dir}")
@@ -112,7 +132,13 @@ def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device
                 if param_name not in params:
                     raise ValidationError("model", f"unexpected weight {name!r} in {file.name}")
                 target = params[param_name] if rows is None else params[param_name][rows]
-                tensor = f.get_tensor(name)
+                index = select(name)
+                if index is None:  # none of it on this rank
+                    with torch.no_grad():
+                        target.zero_()
+                    rows_left[param_name] -= target.shape[0]
+                    continue
+                tensor = f.get_slice(name)[index]
                 if tensor.shape != target.shape:
                     raise ValidationError(
                         "model", f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"

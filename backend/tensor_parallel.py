@@ -14,7 +14,9 @@ of the row-parallel projections are summed across ranks.
                   gets the whole logits; rank 0 alone samples)
     norms         replicated
 
-`model.args` becomes the rank's view (its heads, KV heads and MLP width), so a ModelRunner built
+The loader applies this to a model still on the meta device and then reads only the rank's
+rows and columns of each checkpoint tensor (`checkpoint_slice`), so a rank never holds the whole
+model. `model.args` becomes the rank's view (its heads, KV heads and MLP width), so a ModelRunner built
 on the sharded model sizes a KV pool of the rank's own KV heads, for the same block ids as every
 other rank's.
 """
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from backend.model import LlamaForCausalLM, Linear
+from backend.model import LlamaForCausalLM, Linear, ModelArgs
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
 AllGather = Callable[[torch.Tensor], list[torch.Tensor]]  # every rank's tensor (same shape), in rank order
@@ -86,6 +88,61 @@ class ParallelLMHead(nn.Module):
         return torch.cat(self.all_gather(padded), dim=1)[:, : self.vocab_size]
 
 
+@dataclass(frozen=True, slots=True)
+class TensorParallelRank:
+    """One rank of N, and the collectives its sharded layers call."""
+
+    rank: int
+    world_size: int
+    all_reduce: AllReduce
+    all_gather: AllGather
+
+
+@dataclass(frozen=True, slots=True)
+class RankShare:
+    """The rows and columns of the unsharded weights that a rank keeps."""
+
+    heads: HeadShard
+    vocab: slice  # rows of embed_tokens and lm_head
+    vocab_rows_per_rank: int  # ceil(V / N): every rank's score width before the gather
+    q: slice  # rows of q_proj, columns of o_proj
+    kv: slice  # rows of k_proj and of v_proj
+    mlp: slice  # rows of gate_proj and of up_proj, columns of down_proj
+
+
+def rank_share(args: ModelArgs, rank: int, world_size: int) -> RankShare:
+    rows_per_rank = -(-args.vocab_size // world_size)
+    vocab = slice(min(rank * rows_per_rank, args.vocab_size), min((rank + 1) * rows_per_rank, args.vocab_size))
+    heads = head_shard(args.num_heads, args.num_kv_heads, rank, world_size)
+    if args.intermediate_size % world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} must divide intermediate_size {args.intermediate_size}")
+    width = args.intermediate_size // world_size
+    d = args.head_dim
+    return RankShare(heads, vocab, rows_per_rank, q=slice(heads.q_heads.start * d, heads.q_heads.stop * d),
+                     kv=slice(heads.kv_heads.start * d, heads.kv_heads.stop * d),
+                     mlp=slice(rank * width, (rank + 1) * width))
+
+
+_ROW_PARALLEL = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+_COLUMN_PARALLEL = {"o_proj": "q", "down_proj": "mlp"}
+
+
+def checkpoint_slice(name: str, share: RankShare, rank: int) -> tuple[slice, ...] | None:
+    """The part of checkpoint tensor `name` (an unsharded HF name) that a rank keeps, as an index
+    into it; None when it keeps none of it (a row-parallel bias off rank 0, which stays zero)."""
+    module_path, _, kind = name.rpartition(".")
+    proj = module_path.rpartition(".")[2]
+    if module_path in ("model.embed_tokens", "lm_head"):
+        return (share.vocab,)
+    if proj in _ROW_PARALLEL:
+        return (getattr(share, _ROW_PARALLEL[proj]),)
+    if proj in _COLUMN_PARALLEL:
+        if kind == "bias":
+            return (slice(None),) if rank == 0 else None
+        return (slice(None), getattr(share, _COLUMN_PARALLEL[proj]))
+    return (slice(None),)  # replicated: norms
+
+
 def _keep_rows(linear: Linear, rows: list[slice]) -> None:
     """Keep these output rows (in this order) of a linear layer's weight and bias."""
     linear.weight = nn.Parameter(torch.cat([linear.weight.data[r] for r in rows]), requires_grad=False)
@@ -108,38 +165,32 @@ def _keep_columns(linear: Linear, columns: slice, rank: int, all_reduce: AllRedu
     linear.register_forward_hook(reduce)
 
 
-def shard_model(model: LlamaForCausalLM, rank: int, world_size: int, all_reduce: AllReduce,
-                all_gather: AllGather) -> None:
-    """Cut a loaded model down to rank `rank`'s share, in place."""
+def shard_model(model: LlamaForCausalLM, tp: TensorParallelRank) -> None:
+    """Cut a model down to rank `tp.rank`'s share, in place. The loader does it to a model still on
+    the meta device (shapes only), then reads each weight's share (checkpoint_slice)."""
     args = model.args
-    rows_per_rank = -(-args.vocab_size // world_size)
-    start, stop = min(rank * rows_per_rank, args.vocab_size), min((rank + 1) * rows_per_rank, args.vocab_size)
+    share = rank_share(args, tp.rank, tp.world_size)
     embedding = model.model.embed_tokens.weight.data
     head = model.lm_head.weight.data  # the same tensor when the embeddings are tied
-    model.model.embed_tokens = VocabParallelEmbedding(embedding, start, stop, all_reduce)
-    model.lm_head = ParallelLMHead(head, start, stop, rows_per_rank, args.vocab_size, all_gather)
+    model.model.embed_tokens = VocabParallelEmbedding(embedding, share.vocab.start, share.vocab.stop, tp.all_reduce)
+    model.lm_head = ParallelLMHead(head, share.vocab.start, share.vocab.stop, share.vocab_rows_per_rank,
+                                   args.vocab_size, tp.all_gather)
     if args.tie_word_embeddings:  # one copy of the shared rows
         model.lm_head.weight = model.model.embed_tokens.weight
-    d = args.head_dim
-    shard = head_shard(args.num_heads, args.num_kv_heads, rank, world_size)
-    if args.intermediate_size % world_size:
-        raise ValueError(f"tensor_parallel_size {world_size} must divide intermediate_size {args.intermediate_size}")
-    width = args.intermediate_size // world_size
-    q_rows = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
+    d, q_heads, kv_heads = args.head_dim, len(share.heads.q_heads), len(share.heads.kv_heads)
     k_start = args.num_heads * d
     v_start = k_start + args.num_kv_heads * d
-    kv = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
+    width = share.mlp.stop - share.mlp.start
     for layer in model.model.layers:
         attn = layer.self_attn
-        _keep_rows(attn.qkv_proj, [q_rows, slice(k_start + kv.start, k_start + kv.stop),
-                                   slice(v_start + kv.start, v_start + kv.stop)])
-        attn.qkv_proj.shard_sizes = [len(shard.q_heads) * d, len(shard.kv_heads) * d, len(shard.kv_heads) * d]
-        attn.num_heads, attn.num_kv_heads = len(shard.q_heads), len(shard.kv_heads)
-        _keep_columns(attn.o_proj, q_rows, rank, all_reduce)
+        _keep_rows(attn.qkv_proj, [share.q, slice(k_start + share.kv.start, k_start + share.kv.stop),
+                                   slice(v_start + share.kv.start, v_start + share.kv.stop)])
+        attn.qkv_proj.shard_sizes = [q_heads * d, kv_heads * d, kv_heads * d]
+        attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
+        _keep_columns(attn.o_proj, share.q, tp.rank, tp.all_reduce)
         mlp = layer.mlp
-        mine = slice(rank * width, (rank + 1) * width)
-        _keep_rows(mlp.gate_up_proj, [mine, slice(args.intermediate_size + mine.start, args.intermediate_size + mine.stop)])
+        up = slice(args.intermediate_size + share.mlp.start, args.intermediate_size + share.mlp.stop)
+        _keep_rows(mlp.gate_up_proj, [share.mlp, up])
         mlp.gate_up_proj.shard_sizes = [width, width]
-        _keep_columns(mlp.down_proj, mine, rank, all_reduce)
-    model.args = dataclasses.replace(args, num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads),
-                                     intermediate_size=width)
+        _keep_columns(mlp.down_proj, share.mlp, tp.rank, tp.all_reduce)
+    model.args = dataclasses.replace(args, num_heads=q_heads, num_kv_heads=kv_heads, intermediate_size=width)

@@ -20,7 +20,7 @@ from backend.config import EngineConfig
 from backend.engine import resolve_device
 from backend.model_loader import TORCH_DTYPES, load_hf_config, load_model
 from backend.model_runner import ModelRunner
-from backend.tensor_parallel import shard_model
+from backend.tensor_parallel import TensorParallelRank
 from backend.tp_group import _init_group, all_gather
 
 
@@ -44,9 +44,9 @@ def main() -> None:
     group = _init_group(args.rendezvous, args.rank, config.tensor_parallel_size)
     device = resolve_device(config.device)
     max_model_len = config.max_model_len or load_hf_config(config.model).max_position_embeddings
-    model, _ = load_model(config.model, config.dtype, device, max_model_len)
-    shard_model(model, args.rank, config.tensor_parallel_size, lambda t: dist.all_reduce(t, group=group),
-                lambda t: all_gather(t, group))
+    rank = TensorParallelRank(args.rank, config.tensor_parallel_size, lambda t: dist.all_reduce(t, group=group),
+                              lambda t: all_gather(t, group))
+    model, _ = load_model(config.model, config.dtype, device, max_model_len, rank)
     attention = make_attention_backend(config.attention_backend, device)
     model.use_triton_kernels(attention.name == "triton")
     setup = [None]

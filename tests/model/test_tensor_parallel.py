@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 from backend.attention import TorchAttention
 from backend.config import EngineConfig
@@ -20,9 +21,9 @@ from backend.errors import ENGINE_DEAD
 from backend.model_loader import load_model
 from backend.model_runner import ModelRunner, StepInput
 from backend.sampling_params import SamplingParams
-from backend.tensor_parallel import HeadShard, head_shard, shard_model
+from backend.tensor_parallel import HeadShard, TensorParallelRank, head_shard, shard_model
 from backend.tp_group import all_gather
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, write_tiny_model
 from tests.model.test_engine_core import Collector
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
 
@@ -52,8 +53,8 @@ def _generate(model) -> tuple[list[torch.Tensor], list[list[int]]]:
 def _rank(rank: int, world_size: int, model_dir: str, rendezvous: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     torch.set_num_threads(1)
-    model, _ = load_model(model_dir, "float32", torch.device("cpu"), 64)
-    shard_model(model, rank, world_size, lambda t: dist.all_reduce(t), lambda t: all_gather(t, dist.group.WORLD))
+    model, _ = load_model(model_dir, "float32", torch.device("cpu"), 64,
+                          TensorParallelRank(rank, world_size, dist.all_reduce, lambda t: all_gather(t, dist.group.WORLD)))
     logits, tokens = _generate(model)
     if rank == 0:
         torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.args.num_kv_heads,
@@ -76,6 +77,41 @@ def test_sharded_ranks_compute_the_unsharded_model(arch, world_size, request, tm
     assert got["kv_heads"] == max(2 // world_size, 1)  # the rank's own KV heads: 1, also when replicated
     assert got["vocab_rows"] == -(-TINY_VOCAB // world_size)  # rank 0's share of the vocabulary
     assert got["tied"] == (arch == "tiny_qwen2")  # tied embeddings stay one tensor
+
+
+def _llama_with_biases(path) -> str:
+    """A tiny Llama with attention and MLP biases, all of them non-zero."""
+    write_tiny_model(path, "llama", seed=2, attention_bias=True, mlp_bias=True)
+    weights = load_file(path / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.endswith(".bias"):
+            tensor.normal_()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "llama_with_biases"])
+def test_the_loader_reads_each_ranks_share_of_every_weight(arch, request, tmp_path):
+    """Loading rank r of 4 reads exactly the rows and columns that cutting down the whole model
+    keeps (biases included: a row-parallel bias only on rank 0), and the rank's parameters are a
+    fraction of the model's."""
+    model_dir = _llama_with_biases(tmp_path) if arch == "llama_with_biases" else request.getfixturevalue(arch)
+    whole_numel = sum(p.numel() for p in load_model(model_dir, "float32", torch.device("cpu"), 64)[0].parameters())
+    for rank in range(4):
+        tp = TensorParallelRank(rank, 4, lambda t: None, lambda t: [t])
+        cut, _ = load_model(model_dir, "float32", torch.device("cpu"), 64)
+        shard_model(cut, tp)
+        read, _ = load_model(model_dir, "float32", torch.device("cpu"), 64, tp)
+        expected = dict(cut.named_parameters())
+        got = dict(read.named_parameters())
+        assert got.keys() == expected.keys()
+        for name, param in got.items():
+            assert torch.equal(param, expected[name]), name
+        assert (read.lm_head.weight is read.model.embed_tokens.weight) == (arch == "tiny_qwen2")
+        assert sum(p.numel() for p in got.values()) < 0.5 * whole_numel
+        if arch == "llama_with_biases":
+            o_bias = read.model.layers[0].self_attn.o_proj.bias
+            assert bool(o_bias.any()) == (rank == 0)
 
 
 def test_head_shards():
