@@ -105,6 +105,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":
             retain_freed_memory()
+        elif self.device.index is not None:  # "cuda:N": kernels and memory queries go to GPU N
+            torch.cuda.set_device(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
         hf_config = load_hf_config(config.model)
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings

@@ -20,7 +20,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--messages", help='JSON chat: [{"role": "user", "content": "..."}]')
     p.add_argument("--url", help="server address (default localhost:8001 for grpc, :8000 for http)")
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
-    p.add_argument("--model", default="llm", help="llm (cancels only between steps), or llm_bls (cancels at once)")
+    p.add_argument("--model", default="llm", help="llm (Ctrl-C sends it a stop request), llm_bls, or llm_engine (token ids in)")
     p.add_argument("--no-stream", dest="stream", action="store_false", help="one response at the end")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n[cancelled]", file=sys.stderr)
         return 130
     finally:
-        chunks.close()  # cancels the request on the server if it is still running
+        chunks.close()  # stops the request on the server if it is still running
     print()
     if args.logprobs:
         print(json.dumps(logprobs), file=sys.stderr)

@@ -4,15 +4,19 @@
         print(chunk.text, end="", flush=True)
 
 `generate` yields one Chunk per response (a text delta when streaming, the whole completion
-otherwise). Leaving the loop early (break, an exception, Ctrl-C) cancels the request on the
-server. `complete` gathers a whole request into one Completion.
+otherwise). Leaving the loop early (break, an exception, Ctrl-C) stops the request on the server:
+tritonserver does not pass a cancelled `llm` request on to the engine, so the client sends a stop
+request, `abort_request_id` set to the request's id (each request gets a fresh one), and waits a
+moment for the request to end. `complete` gathers a whole request into one Completion.
 """
 from __future__ import annotations
 
 import json
 import queue
 import re
+import time
 import urllib.error
+import uuid
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,6 +49,8 @@ INPUT_TYPES: dict[str, tuple[str, type]] = {
 }
 OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs")
 ENSEMBLE_ERROR_PREFIX = re.compile(r"^in ensemble '[^']*', ")
+STOP_WAIT_S = 2.0  # how long a stopped request is given to end before the stream closes
+CANCELLED_BY_STREAM = ("llm_bls",)  # models that see a closed stream themselves: no stop request
 
 
 class GenerationError(RuntimeError):
@@ -136,10 +142,12 @@ def _grpc_generate(url: str, model: str, values: dict, timeout: float | None) ->
         inputs.append(tensor)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(url)
-    finished = False
+    request_id = uuid.uuid4().hex
+    finished = started = False
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+        started = True
         while not finished:
             try:
                 result, error = responses.get(timeout=timeout)
@@ -154,8 +162,34 @@ def _grpc_generate(url: str, model: str, values: dict, timeout: float | None) ->
             if chunk.text or finished:
                 yield chunk
     finally:
+        if started and not finished and model not in CANCELLED_BY_STREAM:
+            _grpc_stop(client, model, request_id, responses)
         client.stop_stream(cancel_requests=not finished)
         client.close()
+
+
+def _grpc_stop(client, model: str, request_id: str, responses: queue.SimpleQueue) -> None:
+    """Send the stop request on the stream, then wait (STOP_WAIT_S at most) for the stopped
+    request's last response."""
+    import tritonclient.grpc as grpcclient
+
+    tensor = grpcclient.InferInput("abort_request_id", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([request_id.encode()], dtype=np.object_))
+    try:
+        client.async_stream_infer(model, [tensor], request_id=f"{request_id}-stop", enable_empty_final_response=True)
+    except Exception:
+        return  # the stream is gone: nothing more can be sent
+    deadline = time.monotonic() + STOP_WAIT_S
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            result, error = responses.get(timeout=left)
+        except queue.Empty:
+            return
+        if result is None:
+            continue
+        response = result.get_response()
+        if response.id == request_id and response.parameters["triton_final_response"].bool_param:
+            return
 
 
 def _array(name: str, value: object, dtype: type) -> np.ndarray:
@@ -179,7 +213,8 @@ def _http_generate(
 ) -> Iterator[Chunk]:
     base = url if url.startswith("http") else f"http://{url}"
     endpoint = "generate_stream" if stream else "generate"
-    body = json.dumps(values).encode("utf-8")
+    request_id = uuid.uuid4().hex
+    body = json.dumps(values | {"id": request_id}).encode("utf-8")
     request = urllib.request.Request(
         f"{base}/v2/models/{model}/{endpoint}", body, {"Content-Type": "application/json"}
     )
@@ -189,18 +224,36 @@ def _http_generate(
         raise GenerationError(_http_error(e.read()), str(e.code)) from None
     except urllib.error.URLError as e:
         raise GenerationError(f"cannot reach {base}: {e.reason}") from None
-    with response:  # closing the connection early cancels the request
-        if not stream:
-            yield _chunk(json.loads(response.read()), final=True)
-            return
-        for line in response:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            event = json.loads(line[len(b"data:") :])
-            if "error" in event:
-                raise GenerationError(_message_text(event["error"]))
-            yield _chunk(event, final=False)
+    finished = False
+    try:
+        with response:
+            if not stream:
+                yield _chunk(json.loads(response.read()), final=True)
+                finished = True
+                return
+            for line in response:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[len(b"data:") :])
+                if "error" in event:
+                    finished = True
+                    raise GenerationError(_message_text(event["error"]))
+                yield _chunk(event, final=False)
+            finished = True
+    finally:
+        if not finished and model not in CANCELLED_BY_STREAM:
+            _http_stop(base, model, request_id)
+
+
+def _http_stop(base: str, model: str, request_id: str) -> None:
+    """POST the stop request (its answer waited for STOP_WAIT_S at most)."""
+    body = json.dumps({"abort_request_id": request_id}).encode("utf-8")
+    request = urllib.request.Request(f"{base}/v2/models/{model}/generate", body, {"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=STOP_WAIT_S).close()
+    except (urllib.error.URLError, OSError):
+        pass  # the server is gone, or slow to answer: the abort was delivered on arrival either way
 
 
 def _http_error(body: bytes) -> str:

@@ -2,7 +2,7 @@
 
 tritonserver 2.51 checks an ensemble request for cancellation only between steps, and its Python
 backend cannot cancel a BLS request. So this model does the `llm` ensemble's work itself and
-cancels through llm_engine's `abort_request_id` control input.
+cancels through the abort channel to every llm_engine instance (serving/abort_channel.py).
 
 `execute()` reads each request's inputs, hands them to a worker thread and returns None. The worker
 1. preprocesses them in-process with the `preprocessing` model's own code (a bad input ends the
@@ -10,7 +10,7 @@ cancels through llm_engine's `abort_request_id` control input.
 2. sends llm_engine the request through BLS streaming, under a fresh Triton request id;
 3. relays each engine response to the client as it comes, the last one flagged COMPLETE_FINAL.
 A cancelled client request (checked between responses, and by the watcher thread while a response
-is awaited) gets an abort sent to llm_engine, which frees its KV blocks at once. The worker then
+is awaited) gets an abort sent to llm_engine's instances, which free its KV blocks at once. The worker then
 drains the engine stream without relaying it and ends the client request with an empty final
 response. Every request ends with exactly one COMPLETE_FINAL.
 
@@ -32,9 +32,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.errors import INTERNAL_ERROR, SHUTTING_DOWN, UNAVAILABLE_ERRORS, ValidationError
+from serving.abort_channel import ENGINE_MODEL, abort_everywhere
 from serving.preprocessor import Preprocessor
 
-ENGINE_MODEL = "llm_engine"
 ENGINE_OUTPUTS = [
     "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs", "error"
 ]
@@ -225,15 +225,8 @@ class TritonPythonModel:
             if relay.aborted:
                 return
             relay.aborted = True
-        abort_request_id = np.array([relay.engine_request_id.encode()], dtype=np.object_)
-        request = pb_utils.InferenceRequest(
-            model_name=ENGINE_MODEL,
-            inputs=[pb_utils.Tensor("abort_request_id", abort_request_id)],
-            requested_output_names=[],
-        )
-        for response in request.exec(decoupled=True):
-            if response.has_error():
-                pb_utils.Logger.log_error(f"llm: abort failed: {response.error().message()}")
+        if not abort_everywhere(ENGINE_MODEL, relay.engine_request_id):
+            pb_utils.Logger.log_error(f"llm: no {ENGINE_MODEL} instance took the abort of {relay.engine_request_id}")
 
     def finalize(self):
         """Stop the watcher, wait for the workers; a request still open ends with UNAVAILABLE."""

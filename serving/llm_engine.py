@@ -16,9 +16,16 @@ tritonserver 2.51's python backend never hands a BLS caller an error response th
 response (the caller waits for ever). An error as the first response reaches it.
 
 A request carrying `abort_request_id` is a control request: it aborts the requests in flight that
-were sent with that Triton request id (the engine frees their KV blocks at once) and gets one
-empty final response. This is how `llm` cancels the request it forwarded: a BLS request cannot
-be cancelled in tritonserver 2.51.
+were sent with that Triton request id, on whichever instance holds them (serving/abort_channel.py;
+the engine frees their KV blocks at once), and gets one empty final response. The models in front
+(preprocessing for `llm`, llm_bls) deliver their aborts through the same channel themselves, so
+that an abort never waits in Triton's queue.
+
+Several instances (instance_group count N): each runs its own engine, on the device that
+serving/device_map.py gives it, and labels its metrics with its instance name. With
+`max_pending_requests`, execute() holds Triton's next request while this instance has more than
+that many requests not started (serving/admission_gate.py), so Triton's queue hands work to the
+instance that can start it.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
@@ -50,6 +58,9 @@ from backend.errors import (
 from backend.fault_injection import fault_hook_from_env
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams
+from serving.abort_channel import AbortListener, abort_everywhere, instances_directory
+from serving.admission_gate import AdmissionGate
+from serving.device_map import instance_device, instance_placement
 from serving.engine_metrics import EngineMetrics
 from serving.sender_lane import PendingSend, SenderLane
 
@@ -66,6 +77,9 @@ EARLY_ABORT_MEMORY_S = 10.0
 # well under a millisecond) marks its receiver stuck: its lane is replaced, its request abandoned.
 NUM_SENDER_LANES = 4
 SEND_TIMEOUT_S = 10.0
+# A failed instance (its engine dead, other instances serving) refuses what it is handed with
+# UNAVAILABLE and then holds execute() this long, so that Triton hands the next requests to others.
+FAILED_INSTANCE_HOLD_S = 1.0
 _STOP = object()
 # request_options keys (preprocessing's RequestOptions): each a boolean
 REQUEST_OPTIONS = (
@@ -90,6 +104,7 @@ class RequestState:
     logprobs: list[dict] = field(default_factory=list)  # not sent yet
     echo_pending: bool = False  # the prompt still has to precede the next text
     abandoned: bool = False  # its receiver is stuck: nothing more is sent
+    started: bool = False  # its first output has come (AdmissionGate)
 
 
 class TritonPythonModel:
@@ -102,10 +117,18 @@ class TritonPythonModel:
         model_dir = Path(args["model_repository"])
         parameters = _engine_parameters(model_config, model_dir)
         engine_process = _flag("engine_process", parameters.pop("engine_process", "false"))
+        max_pending = _count("max_pending_requests", parameters.pop("max_pending_requests", "0"))
+        placement = instance_placement(args, model_config)
+        gpu_device_ids = parameters.pop("gpu_device_ids", "")
+        parameters["device"] = instance_device(
+            placement, parameters.get("device", "auto"), gpu_device_ids,
+            int(parameters.get("tensor_parallel_size", "1") or 1), _num_gpus(),
+        )
         config = EngineConfig.from_strings(parameters)
-        where = "in its own process" if engine_process else "in this process"
-        pb_utils.Logger.log_info(f"llm_engine: starting engine {where} with {config}")
         self.model_name = args["model_name"]
+        self.instance_name = args.get("model_instance_name") or self.model_name
+        where = "in its own process" if engine_process else "in this process"
+        pb_utils.Logger.log_info(f"llm_engine: {self.instance_name} starting engine {where} with {config}")
         fault_hook = fault_hook_from_env(os.environ.get("SPECSERVE_FAULT_INJECTION"))
         if fault_hook is not None:
             pb_utils.Logger.log_warn("llm_engine: test fault injection is on (SPECSERVE_FAULT_INJECTION)")
@@ -116,11 +139,17 @@ class TritonPythonModel:
             engine.fault_hook = fault_hook
             self.loop = EngineLoop(engine)
         self.unloading = False  # the engine died and this model asked Triton to unload it
-        self.metrics = EngineMetrics({"model": args["model_name"], "version": args["model_version"]})
+        self.others_serve = False  # the engine died while other instances serve on
+        self.closing = False  # finalize() has begun
+        self.gate = AdmissionGate(max_pending)
+        self.metrics = EngineMetrics(
+            {"model": args["model_name"], "version": args["model_version"], "instance": self.instance_name}
+        )
         self.requests: dict[str, RequestState] = {}  # request id -> state; sender thread owns it
         # Triton request id -> time.monotonic() until which a request arriving with it is aborted
-        # on arrival (an abort that found nothing in flight); execute()'s thread only
+        # on arrival (an abort that found nothing in flight); under its lock
         self.early_aborts: dict[str, float] = {}
+        self.early_aborts_lock = threading.Lock()
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # (time, RequestOutput) or _STOP
         self.cancel_cursor = 0  # where the next cancellation poll starts in self.requests
         self.loop.start()
@@ -131,12 +160,13 @@ class TritonPythonModel:
         self.next_lane = itertools.count()  # execute()'s thread only
         self.sender = threading.Thread(target=self._send_loop, name="specserve-dispatcher", daemon=True)
         self.sender.start()
+        self.aborts = AbortListener(self.model_name, self.instance_name, self._abort_by_triton_id)
         pb_utils.Logger.log_info(
             f"llm_engine: ready, max_model_len {self.loop.engine.max_model_len}, "
             f"{self.loop.engine.stats().num_total_blocks} KV blocks"
         )
 
-    # -- Triton's thread: hand off, never block -----------------------------------------------------
+    # -- Triton's thread: hand off, then wait only for room (max_pending_requests) ----------------
     def execute(self, requests):
         for request in requests:
             try:
@@ -146,6 +176,9 @@ class TritonPythonModel:
                     _refuse(request.get_response_sender(), e)
                 except Exception:
                     pass  # it was answered already
+        self.gate.wait_for_room(lambda: self.closing or self.loop.dead)
+        if self.others_serve and not self.closing:
+            time.sleep(FAILED_INSTANCE_HOLD_S)  # busy to Triton: the instances still serving get the work
         return None
 
     def _submit(self, request) -> None:
@@ -153,11 +186,15 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         abort_request_id = _text(request, "abort_request_id")
         if abort_request_id:
-            self._abort_by_triton_id(abort_request_id)
+            delivered = (_json_object(request, "request_options") or {}).get("abort_delivered") is True
+            if not delivered and not abort_everywhere(self.model_name, abort_request_id):
+                self._abort_by_triton_id(abort_request_id)  # no listener answered: this instance at least
             sender.send(flags=FINAL)
             return
         triton_request_id = request.request_id()
-        if self.early_aborts.pop(triton_request_id, 0.0) > arrival:
+        with self.early_aborts_lock:
+            aborted_early = self.early_aborts.pop(triton_request_id, 0.0) > arrival
+        if aborted_early:
             sender.send(flags=FINAL)
             return
         request_id = uuid.uuid4().hex
@@ -167,25 +204,32 @@ class TritonPythonModel:
             state = RequestState(request_id, sender, lane, triton_request_id, options, prompt_text, arrival)
             state.echo_pending = not options.get("exclude_input_in_output", True)
             self.requests[request_id] = state  # before submit: outputs may come back at once
+            self.gate.taken()
             self.loop.submit(prompt_ids, params, self._on_output, request_id)
         except Exception as e:
-            self.requests.pop(request_id, None)
+            if self.requests.pop(request_id, None) is not None:
+                self.gate.started()  # it never will
             _refuse(sender, e)
 
     def _abort_by_triton_id(self, triton_request_id: str) -> None:
-        """Abort every request in flight sent with this Triton request id. The engine ends each
-        with a final output (finish_reason "abort"), which the sender thread passes on."""
-        engine_ids = [
-            request_id
-            for request_id, state in list(self.requests.items())
-            if state.triton_request_id == triton_request_id
-        ]
-        for request_id in engine_ids:
-            self.loop.abort(request_id)
-        if not engine_ids:
-            now = time.monotonic()
-            self.early_aborts = {k: t for k, t in self.early_aborts.items() if t > now}
-            self.early_aborts[triton_request_id] = now + EARLY_ABORT_MEMORY_S
+        """Abort every request in flight sent with this Triton request id (on the abort channel's
+        thread). The engine ends each with a final output (finish_reason "abort"), which the
+        sender thread passes on."""
+        try:
+            engine_ids = [
+                request_id
+                for request_id, state in list(self.requests.items())
+                if state.triton_request_id == triton_request_id
+            ]
+            for request_id in engine_ids:
+                self.loop.abort(request_id)
+            if not engine_ids:
+                now = time.monotonic()
+                with self.early_aborts_lock:
+                    self.early_aborts = {k: t for k, t in self.early_aborts.items() if t > now}
+                    self.early_aborts[triton_request_id] = now + EARLY_ABORT_MEMORY_S
+        except Exception as e:
+            pb_utils.Logger.log_error(f"llm_engine: abort of {triton_request_id!r} failed: {_traceback(e)}")
 
     # -- engine thread: enqueue only ------------------------------------------------------------
     def _on_output(self, output: RequestOutput) -> None:
@@ -253,10 +297,20 @@ class TritonPythonModel:
                 pass  # the client is gone
 
     def _unload(self) -> None:
-        """The engine died: have Triton unload this model, so that it reports not ready (as
+        """The engine died. While another instance serves, this one leaves the abort channel and
+        answers what Triton still hands it with UNAVAILABLE (clients retry; the others carry on).
+        The last instance to die has Triton unload the model, so that it reports not ready (as
         vllm_backend does on a failed health check). Needs --model-control-mode=explicit; until
         then (or without it) every new request gets UNAVAILABLE at once."""
         self.unloading = True
+        self.aborts.close()  # the channel's directory now lists the instances still serving
+        serving = sorted(p.stem for p in instances_directory(self.model_name).glob("*.ipc"))
+        if serving:
+            self.others_serve = True
+            pb_utils.Logger.log_error(
+                f"llm_engine: the engine of {self.instance_name} has failed; {', '.join(serving)} serve on"
+            )
+            return
         pb_utils.Logger.log_error(f"llm_engine: the engine has failed; unloading {self.model_name}")
         try:
             pb_utils.unload_model(self.model_name)
@@ -281,6 +335,9 @@ class TritonPythonModel:
         state = self.requests.get(output.request_id)
         if state is None:
             return
+        if not state.started:
+            state.started = True
+            self.gate.started()
         if output.token_ids:
             self._observe_latency(state, now, len(output.token_ids))
         if output.finished:
@@ -340,6 +397,8 @@ class TritonPythonModel:
 
     def finalize(self):
         """Abort what is in flight (each request still gets its final response), stop threads."""
+        self.closing = True
+        self.aborts.close()
         self.loop.shutdown()
         self.outputs.put(_STOP)
         self.sender.join(timeout=30)
@@ -355,6 +414,20 @@ def _flag(name: str, value: str) -> bool:
     if value.strip().lower() not in ("true", "false"):
         raise ValidationError(name, f'must be "true" or "false", got {value!r}')
     return value.strip().lower() == "true"
+
+
+def _count(name: str, value: str) -> int:
+    try:
+        count = int(value.strip() or "0")
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValidationError(name, f"must be an integer >= 0, got {value!r}")
+    return count
+
+
+def _num_gpus() -> int:
+    return torch.cuda.device_count()
 
 
 def _engine_parameters(model_config: dict, model_dir: Path) -> dict[str, str]:

@@ -1,7 +1,13 @@
 """preprocessing: text or chat messages -> input_ids, validated sampling params, request options.
 
-The work itself is preprocessor.Preprocessor, which `llm` runs in-process too; this model serves
-it as the first step of the `ensemble` pipeline.
+The work itself is preprocessor.Preprocessor, which `llm_bls` runs in-process too; this model
+serves it as the first step of the `llm` ensemble.
+
+A request with `abort_request_id` is a stop request for the `llm` request sent with that id: this
+model delivers the abort to every llm_engine instance itself (serving/abort_channel.py), at once,
+and passes the request on marked as delivered; llm_engine answers it with an empty final response.
+tritonserver 2.51 never tells llm_engine that a client cancelled its `llm` request, so this is how
+a client stops one.
 """
 from __future__ import annotations
 
@@ -9,10 +15,20 @@ import json
 import traceback
 from pathlib import Path
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.errors import INTERNAL_ERROR, ValidationError
+from serving.abort_channel import ENGINE_MODEL, abort_everywhere
 from serving.preprocessor import Preprocessor
+
+# llm_engine's inputs for a stop request that this model has delivered already
+DELIVERED_ABORT = {
+    "input_ids": np.zeros(0, dtype=np.int32),
+    "sampling_params": np.array([b""], dtype=np.object_),
+    "request_options": np.array([json.dumps({"abort_delivered": True}).encode()], dtype=np.object_),
+    "prompt_text": np.array([b""], dtype=np.object_),
+}
 
 
 class TritonPythonModel:
@@ -49,6 +65,26 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
-        preprocessed = self.preprocessor(inputs)
-        outputs = [pb_utils.Tensor(n, a) for n, a in preprocessed.engine_inputs().items()]
+        abort_request_id = _abort_request_id(inputs.pop("abort_request_id", None))
+        if abort_request_id:
+            if not abort_everywhere(ENGINE_MODEL, abort_request_id):
+                pb_utils.Logger.log_error(f"preprocessing: no {ENGINE_MODEL} instance took the abort")
+            engine_inputs = DELIVERED_ABORT | {"abort_request_id": np.array([abort_request_id.encode()], dtype=np.object_)}
+        else:
+            engine_inputs = self.preprocessor(inputs).engine_inputs() | {"abort_request_id": np.array([b""], dtype=np.object_)}
+        outputs = [pb_utils.Tensor(n, a) for n, a in engine_inputs.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
+
+
+def _abort_request_id(value: np.ndarray | None) -> str:
+    """The id of a stop request ("" when there is none)."""
+    if value is None:
+        return ""
+    value = value.reshape(-1)
+    if value.size != 1:
+        raise ValidationError("abort_request_id", f"must hold one string, got {value.size}")
+    raw = value[0]
+    try:
+        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError:
+        raise ValidationError("abort_request_id", "is not valid UTF-8") from None

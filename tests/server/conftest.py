@@ -45,17 +45,25 @@ class Server:
         return self.handle.http_url
 
     def metrics(self) -> dict[str, float]:
-        """specserve_* samples by name plus labels, e.g. `specserve_request_success_total{finish_reason="stop"}`."""
+        """specserve_* samples by name plus labels, e.g. `specserve_request_success_total{finish_reason="stop"}`,
+        summed over the engine's instances."""
+        samples: dict[str, float] = {}
+        for per_instance in self.instance_metrics().values():
+            for key, value in per_instance.items():
+                samples[key] = samples.get(key, 0.0) + value
+        return samples
+
+    def instance_metrics(self) -> dict[str, dict[str, float]]:
+        """The samples of each instance (by its `instance` label)."""
         text = urllib.request.urlopen(self.handle.metrics_url, timeout=10).read().decode()
-        samples = {}
+        instances: dict[str, dict[str, float]] = {}
         for m in re.finditer(r"^(specserve_\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M):
             name, labels, value = m.groups()
-            extra = [
-                label for label in (labels or "").split(",")
-                if label and not label.startswith(("model=", "version="))
-            ]
-            samples[name + ("{" + ",".join(extra) + "}" if extra else "")] = float(value)
-        return samples
+            labels = [label for label in (labels or "").split(",") if label]
+            instance = next((label.split("=", 1)[1].strip('"') for label in labels if label.startswith("instance=")), "")
+            extra = [label for label in labels if not label.startswith(("model=", "version=", "instance="))]
+            instances.setdefault(instance, {})[name + ("{" + ",".join(extra) + "}" if extra else "")] = float(value)
+        return instances
 
     def wait_for_metrics(self, predicate, timeout: float = 20.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
@@ -101,9 +109,10 @@ def _repository_with_tiny_model(root: Path) -> tuple[Path, Path]:
     return repository, model_dir
 
 
-def _repository_with_parameters(root: Path, parameters: dict[str, str]) -> Path:
+def _repository_with_parameters(root: Path, parameters: dict[str, str], engine_config: str = "") -> Path:
     """A copy of the default model repository (models by absolute path) with some of llm_engine's
-    parameters set."""
+    parameters set; `engine_config` replaces llm_engine's instance_group line (instance groups,
+    a queue policy)."""
     repository = root / "model_repository"
     for model in ("preprocessing", "llm_engine", "llm", "llm_bls"):
         (repository / model / "1").mkdir(parents=True)
@@ -113,19 +122,24 @@ def _repository_with_parameters(root: Path, parameters: dict[str, str]) -> Path:
         for key, value in parameters.items():
             config, n = re.subn(rf'(key: "{key}", value: {{ string_value: )"[^"]*"', rf'\1"{value}"', config)
             assert model != "llm_engine" or n == 1, f"no parameter {key} in llm_engine's config"
+        if model == "llm_engine" and engine_config:
+            config, n = re.subn(r"^instance_group .*$", engine_config, config, flags=re.M)
+            assert n == 1
         (repository / model / "config.pbtxt").write_text(config)
         for source in (DEFAULT_MODEL_REPOSITORY / model / "1").glob("*.py"):
             shutil.copy(source, repository / model / "1" / source.name)
     return repository
 
 
-def start_test_server(root: Path, fault_injection: str, parameters: dict[str, str] | None = None) -> Server:
+def start_test_server(root: Path, fault_injection: str, parameters: dict[str, str] | None = None,
+                      engine_config: str = "") -> Server:
     """tritonserver on free ports over the default model (or a tiny one), its log in `root`;
-    `parameters` set some of llm_engine's (the default model only)."""
+    `parameters` set some of llm_engine's, `engine_config` replaces its instance_group line (the
+    default model only)."""
     if (DEFAULT_MODEL / "config.json").exists():
         repository, model_dir = DEFAULT_MODEL_REPOSITORY, DEFAULT_MODEL
-        if parameters:
-            repository = _repository_with_parameters(root, parameters)
+        if parameters or engine_config:
+            repository = _repository_with_parameters(root, parameters or {}, engine_config)
     else:
         repository, model_dir = _repository_with_tiny_model(root)
     handle = start_server(

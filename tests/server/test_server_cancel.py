@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import json
 import queue
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,19 +188,91 @@ def test_abort_request_id_aborts_the_engine_request_sent_with_that_id(server, to
     assert _idle(after)
 
 
-def test_cancelling_an_llm_ensemble_stream_runs_to_the_end(server, tokenizer):
-    """The known limitation of the `llm` ensemble on tritonserver 2.51: a cancellation reaches it only
-    between steps, so the engine step runs to max_tokens."""
+def test_a_cancelled_llm_stream_without_a_stop_request_runs_to_the_end(server, tokenizer):
+    """What a raw tritonclient user sees on tritonserver 2.51: cancelling a stream to the `llm`
+    ensemble is checked only between its steps, and nothing tells llm_engine (its response sender
+    reports no cancellation), so the request runs to max_tokens. A stop request ends it (below)."""
     max_tokens = 48
     before = server.wait_for_metrics(_idle)
-    chunks = generate(
-        server.grpc_url, "Once upon a time", model="llm", max_tokens=max_tokens,
-        ignore_eos=True, temperature=0,
-    )
-    next(chunks)
-    chunks.close()
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    prompt = _tensor("text_input", np.array([b"Once upon a time"], dtype=np.object_), "BYTES")
+    options = [_tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+               _tensor("ignore_eos", np.array([True]), "BOOL"), _tensor("stream", np.array([True]), "BOOL")]
+    client.async_stream_infer("llm", [prompt, *options], request_id="no-stop-request")
+    responses.get(timeout=60)
+    client.stop_stream(cancel_requests=True)
+    client.close()
     after = server.wait_for_metrics(
         lambda s: _idle(s) and s[ABORTED] + s[LENGTH] > before[ABORTED] + before[LENGTH], 120
     )
     assert after[LENGTH] == before[LENGTH] + 1
     assert after[ABORTED] == before[ABORTED]
+
+
+def _long_llm_request(server) -> dict:
+    return dict(max_tokens=min(1500, _max_model_len(server) - 16), ignore_eos=True, temperature=0)
+
+
+def _stopped_within_a_second(server, before: dict[str, float]) -> None:
+    after = server.wait_for_metrics(lambda s: _idle(s) and s[ABORTED] > before[ABORTED], timeout=1.0)
+    assert _idle(after), after
+    assert after[ABORTED] == before[ABORTED] + 1
+
+
+def test_a_stop_request_to_llm_frees_the_requests_kv(server):
+    """The convention: a request to `llm` with only `abort_request_id`, naming the request to stop."""
+    before = server.wait_for_metrics(_idle)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    prompt = _tensor("text_input", np.array([b"Once upon a time"], dtype=np.object_), "BYTES")
+    params = _long_llm_request(server)
+    options = [_tensor("max_tokens", np.array([params["max_tokens"]], dtype=np.int32), "INT32"),
+               _tensor("ignore_eos", np.array([True]), "BOOL"), _tensor("stream", np.array([True]), "BOOL")]
+    client.async_stream_infer("llm", [prompt, *options], request_id="to-stop", enable_empty_final_response=True)
+    for _ in range(3):
+        result, error = responses.get(timeout=60)
+        assert error is None
+    stop = _tensor("abort_request_id", np.array([b"to-stop"], dtype=np.object_), "BYTES")
+    client.async_stream_infer("llm", [stop], request_id="stop", enable_empty_final_response=True)
+    ended = set()
+    while ended != {"to-stop", "stop"}:
+        result, error = responses.get(timeout=10)
+        assert error is None
+        response = result.get_response()
+        if response.parameters["triton_final_response"].bool_param:
+            ended.add(response.id)
+    client.stop_stream()
+    client.close()
+    _stopped_within_a_second(server, before)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_leaving_an_llm_stream_early_stops_the_request(server, protocol):
+    """The client library sends the stop request when a stream is left early."""
+    before = server.wait_for_metrics(_idle)
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    chunks = generate(url, "Once upon a time", protocol=protocol, model="llm", **_long_llm_request(server))
+    for _ in range(3):
+        next(chunks)
+    chunks.close()
+    _stopped_within_a_second(server, before)
+
+
+def test_ctrl_c_in_the_cli_stops_the_request(server):
+    before = server.wait_for_metrics(_idle)
+    params = _long_llm_request(server)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "Once upon a time", "--url", server.grpc_url,
+         "--max-tokens", str(params["max_tokens"]), "--ignore-eos", "--temperature", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[2],
+    )
+    try:
+        assert cli.stdout.read(8)  # it is streaming
+        cli.send_signal(signal.SIGINT)
+        assert cli.wait(timeout=10) == 130
+    finally:
+        cli.kill()
+    _stopped_within_a_second(server, before)
