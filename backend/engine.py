@@ -401,12 +401,14 @@ class LLMEngine:
         else:
             request.spec.num_computed_tokens = min(request.spec.num_computed_tokens, request.num_computed_tokens)
 
-    @staticmethod
-    def _logprob_entry(entry: tuple[float, list[int], list[float]] | None, token: int, n: int | None) -> dict | None:
+    def _logprob_entry(self, entry: tuple[float, int, list[int], list[float]] | None, token: int,
+                       n: int | None) -> dict | None:
         if entry is None or n is None:
             return None
-        chosen, top_ids, top_values = entry
-        return {"token_id": token, "logprob": chosen, "top": dict(zip(top_ids[:n], top_values[:n]))}
+        chosen, rank, top_ids, top_values = entry
+        top = dict(zip(top_ids[:n], top_values[:n]))
+        text = {i: self.tokenizer.decode([i]) for i in (token, *top)}
+        return {"token_id": token, "logprob": chosen, "rank": rank, "top": top, "text": text}
 
     def _advance(
         self, request: Request, tokens: list[int], logprobs: list[dict | None], error: Exception | None, trim: bool = False
@@ -449,6 +451,7 @@ class LLMEngine:
             request.output_token_ids.append(token)
             if lp is not None:
                 request.pending_logprobs.append(lp)
+                request.cumulative_logprob += lp["logprob"]
             self.generation_tokens_total += 1
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
@@ -480,6 +483,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             logprobs=logprobs,
+            cumulative_logprob=request.cumulative_logprob if request.params.logprobs is not None else None,
             error=request.error,
             num_draft_tokens=request.spec.num_draft_tokens,
             num_accepted_tokens=request.spec.num_accepted_tokens,

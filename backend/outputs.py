@@ -13,7 +13,10 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far
-    logprobs: list[dict] | None = None  # per new token: {"token_id", "logprob", "top": {id: lp}}
+    # per new token: {"token_id", "logprob", "rank" (1: the most likely), "top": {id: lp} (the n
+    # most likely), "text": {id: that token decoded alone} (the chosen and the top ids)}
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float | None = None  # the sum over every token so far, when logprobs are on
     error: str | None = None  # set when finish_reason == "error"
     num_draft_tokens: int = 0  # total proposed by speculation so far
     num_accepted_tokens: int = 0  # total accepted so far

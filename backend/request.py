@@ -90,6 +90,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     num_emitted_tokens: int = 0  # output tokens already handed out
     pending_logprobs: list[dict] = field(default_factory=list)  # logprobs not handed out yet
+    cumulative_logprob: float = 0.0  # the chosen tokens' logprobs summed (when logprobs are on)
     num_preemptions: int = 0
     error: str | None = None
 

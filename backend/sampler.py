@@ -59,19 +59,22 @@ def probs_from_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
 @dataclass(slots=True)
 class Logprobs:
     """Log-probabilities of the model's raw distribution at `rows` (host list): the chosen
-    token's [len(rows)] and the top-n values and ids [len(rows), n]."""
+    token's and its rank (1: the most likely) [len(rows)], and the top-n values and ids
+    [len(rows), n]."""
     rows: list[int]
     chosen: torch.Tensor
+    chosen_rank: torch.Tensor
     top_values: torch.Tensor
     top_ids: torch.Tensor
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.chosen, self.top_values, self.top_ids
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.chosen, self.chosen_rank, self.top_values, self.top_ids
 
-    def entries(self) -> dict[int, tuple[float, list[int], list[float]]]:
-        """Row -> (the chosen token's logprob, top ids, top logprobs), read from host tensors."""
-        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
-        return {row: (chosen[j], ids[j], values[j]) for j, row in enumerate(self.rows)}
+    def entries(self) -> dict[int, tuple[float, int, list[int], list[float]]]:
+        """Row -> (the chosen token's logprob, its rank, top ids, top logprobs), from host tensors."""
+        chosen, ranks = self.chosen.tolist(), self.chosen_rank.tolist()
+        ids, values = self.top_ids.tolist(), self.top_values.tolist()
+        return {row: (chosen[j], ranks[j], ids[j], values[j]) for j, row in enumerate(self.rows)}
 
 
 @dataclass(slots=True)
@@ -108,8 +111,9 @@ class Sampler:
             logp = torch.log_softmax(raw.index_select(0, rows), dim=-1)
             chosen_tokens = token_ids.view(-1)[meta.row_slot.index_select(0, rows)].clamp_min(0)  # placeholder: unread
             chosen = logp.gather(1, chosen_tokens[:, None])[:, 0]
+            rank = (logp > chosen[:, None]).sum(-1) + 1
             top = logp.topk(max(meta.max_logprobs, 1), dim=-1)
-            logprobs = Logprobs(meta.logprob_rows, chosen, top.values, top.indices)
+            logprobs = Logprobs(meta.logprob_rows, chosen, rank, top.values, top.indices)
         return SamplerOutput(token_ids, probs, logprobs)
 
 

@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None)
-    p.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the completion "
+                   "(with --messages, the rendered chat: needs --no-stream)")
     p.add_argument("--sampling-parameters", help="JSON object, vllm_backend style")
     p.add_argument("--logprobs", action="store_true", help="print each token's logprob at the end")
     p.add_argument("--stats", action="store_true", help="print finish reason and token counts")
@@ -42,7 +43,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.prompt is None) == (args.messages is None):
         p.error("give a prompt or --messages (not both)")
+    if args.echo and args.messages is not None and args.stream:
+        p.error("--echo with --messages needs --no-stream (the server renders the chat)")
     return args
+
+
+def _sampling_parameters(args: argparse.Namespace) -> str | None:
+    """--sampling-parameters, with `logprobs` 0 (the chosen token's) added for --logprobs."""
+    if not args.logprobs:
+        return args.sampling_parameters
+    values = json.loads(args.sampling_parameters) if args.sampling_parameters else {}
+    values.setdefault("logprobs", 0)
+    return json.dumps(values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
-        exclude_input_in_output=False if args.echo else None,
-        sampling_parameters=args.sampling_parameters,
+        exclude_input_in_output=not (args.echo and not args.stream),  # streamed: echoed here
+        sampling_parameters=_sampling_parameters(args),
         return_logprobs=args.logprobs or None,
         return_finish_reason=args.stats or None,
         return_num_input_tokens=args.stats or None,
@@ -69,16 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     url = args.url or DEFAULT_URLS[args.protocol]
     logprobs: list[dict] = []
-    last = None
+    last, output_tokens = None, 0
     chunks = generate(
         url, args.prompt, args.messages, args.protocol, args.stream, args.model, args.timeout,
         **params,
     )
+    if args.echo and args.stream:
+        sys.stdout.write(args.prompt)
     try:
         for chunk in chunks:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             logprobs += chunk.logprobs or []
+            output_tokens += chunk.num_output_tokens or 0
             last = chunk
     except GenerationError as e:
         print(f"\nerror: {e}", file=sys.stderr)
@@ -94,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stats and last is not None:
         print(
             f"[finish_reason={last.finish_reason} input_tokens={last.num_input_tokens} "
-            f"output_tokens={last.num_output_tokens}]",
+            f"output_tokens={output_tokens}]",
             file=sys.stderr,
         )
     return 0

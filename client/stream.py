@@ -46,8 +46,9 @@ INPUT_TYPES: dict[str, tuple[str, type]] = {
     "return_num_input_tokens": ("BOOL", np.bool_),
     "return_num_output_tokens": ("BOOL", np.bool_),
     "return_logprobs": ("BOOL", np.bool_),
+    "return_cumulative_logprob": ("BOOL", np.bool_),
 }
-OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs")
+OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs", "cumulative_logprob")
 ENSEMBLE_ERROR_PREFIX = re.compile(r"^in ensemble '[^']*', ")
 STOP_WAIT_S = 2.0  # how long a stopped request is given to end before the stream closes
 CANCELLED_BY_STREAM = ("llm_bls",)  # models that see a closed stream themselves: no stop request
@@ -65,10 +66,13 @@ class GenerationError(RuntimeError):
 class Chunk:
     text: str  # new text (streaming) or the whole completion
     final: bool  # the last response of the request
-    finish_reason: str | None = None  # with return_finish_reason
+    finish_reason: str | None = None  # with return_finish_reason, on the last chunk
     num_input_tokens: int | None = None  # with return_num_input_tokens
-    num_output_tokens: int | None = None  # with return_num_output_tokens: total so far
-    logprobs: list[dict] | None = None  # with return_logprobs: one dict per token of this chunk
+    num_output_tokens: int | None = None  # with return_num_output_tokens: this chunk's tokens
+    # with return_logprobs and the sampling parameter `logprobs`: per token of this chunk,
+    # {token id: {"logprob", "rank", "decoded_token"}} for the chosen token and the top n
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float | None = None  # with return_cumulative_logprob: the sum so far
 
 
 @dataclass(slots=True)
@@ -83,7 +87,7 @@ class Completion:
     @property
     def num_output_tokens(self) -> int | None:
         counts = [c.num_output_tokens for c in self.chunks if c.num_output_tokens is not None]
-        return counts[-1] if counts else None
+        return sum(counts) if counts else None
 
 
 def request_inputs(
@@ -115,6 +119,8 @@ def generate(
     timeout: float | None = 600.0,
     **params,
 ) -> Iterator[Chunk]:
+    # the completion alone unless asked (without streaming the server's default echoes the prompt)
+    params.setdefault("exclude_input_in_output", True)
     values = request_inputs(prompt, messages, stream=stream, **params)
     if protocol == "grpc":
         return _grpc_generate(url, model, values, timeout)
@@ -283,9 +289,11 @@ def _chunk(outputs: dict, final: bool) -> Chunk:
         return value.decode("utf-8") if isinstance(value, bytes) else value
 
     text = scalar("text_output") or ""
-    finish_reason = scalar("finish_reason") or None
+    finish_reason = scalar("finish_reason")
+    finish_reason = None if finish_reason in (None, "", "None") else finish_reason  # "None": not yet
     logprobs = scalar("logprobs")
     n_in, n_out = scalar("num_input_tokens"), scalar("num_output_tokens")
+    cumulative = scalar("cumulative_logprob")
     return Chunk(
         text=text,
         final=final or finish_reason is not None,
@@ -293,4 +301,5 @@ def _chunk(outputs: dict, final: bool) -> Chunk:
         num_input_tokens=None if n_in is None else int(n_in),
         num_output_tokens=None if n_out is None else int(n_out),
         logprobs=json.loads(logprobs) if logprobs else None,
+        cumulative_logprob=None if cumulative is None else float(cumulative),
     )

@@ -141,7 +141,6 @@ class StreamingClient:
         return record
 
     async def _receive(self, responses, record: RequestRecord) -> None:
-        num_tokens = 0
         async for result, error in responses:
             now = time.perf_counter()
             if error is not None:
@@ -151,17 +150,17 @@ class StreamingClient:
                 name: _scalar(result.as_numpy(name))
                 for name in ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
             }
-            total = outputs["num_output_tokens"]
-            if total is None:  # the model does not count: one token per response with text
-                total = num_tokens + bool(outputs["text_output"])
-            if int(total) > num_tokens:
+            new = outputs["num_output_tokens"]  # this response's tokens (vllm_backend's convention)
+            if new is None:  # the model does not count: one token per response with text
+                new = bool(outputs["text_output"])
+            if int(new) > 0:
                 record.chunk_times.append(now)
-                record.chunk_tokens.append(int(total) - num_tokens)
-                num_tokens = int(total)
+                record.chunk_tokens.append(int(new))
             if outputs["num_input_tokens"] is not None:
                 record.num_input_tokens = int(outputs["num_input_tokens"])
             final = result.get_response().parameters.get("triton_final_response")
-            if outputs["finish_reason"] or self.single_response or (final is not None and final.bool_param):
+            finished = outputs["finish_reason"] not in (None, "", "None")  # "None": more to come
+            if finished or self.single_response or (final is not None and final.bool_param):
                 return
         if not record.chunk_times:
             record.error = "the stream ended without a response"

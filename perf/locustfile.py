@@ -97,7 +97,7 @@ class StreamingUser(HttpUser):
         """Reads the SSE stream into arrival times and token counts; returns an error or None."""
         if response.status_code != 200:
             return f"HTTP {response.status_code}: {response.text[:200]}"
-        num_tokens, finished = 0, False
+        finished = False
         for line in response.iter_lines():
             if not line.startswith(b"data:"):
                 continue
@@ -105,12 +105,11 @@ class StreamingUser(HttpUser):
             event = json.loads(line[len(b"data:"):])
             if "error" in event:
                 return f"error event: {str(event['error'])[:200]}"
-            total = int(_scalar(event.get("num_output_tokens", num_tokens + 1)))
-            if total > num_tokens:
+            new = int(_scalar(event.get("num_output_tokens", 1)))  # this event's tokens
+            if new > 0:
                 chunk_times.append(now)
-                chunk_tokens.append(total - num_tokens)
-                num_tokens = total
-            finished = finished or bool(_scalar(event.get("finish_reason")))
+                chunk_tokens.append(new)
+            finished = finished or _scalar(event.get("finish_reason")) not in (None, "", "None")
         if not finished:
             return "the stream ended without a final event"
         return None

@@ -34,9 +34,10 @@ import triton_python_backend_utils as pb_utils
 from backend.errors import INTERNAL_ERROR, SHUTTING_DOWN, UNAVAILABLE_ERRORS, ValidationError
 from serving.abort_channel import ENGINE_MODEL, abort_everywhere
 from serving.preprocessor import Preprocessor
+from serving.request_inputs import triton_parameters
 
 ENGINE_OUTPUTS = [
-    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs", "error"
+    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs", "cumulative_logprob", "error"
 ]
 # How often each request is checked for cancellation (a round trip to the server each).
 POLL_INTERVAL_S = 0.05
@@ -101,8 +102,13 @@ class TritonPythonModel:
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy().copy()  # the worker outlives the request
             relay = Relay(request.get_response_sender(), uuid.uuid4().hex)
+            try:
+                parameters = triton_parameters(request)
+            except ValidationError as e:
+                self._finish(relay, _error_response(str(e), pb_utils.TritonError.INVALID_ARG))
+                continue
             worker = threading.Thread(
-                target=self._serve, args=(relay, inputs), name="llm-worker", daemon=True
+                target=self._serve, args=(relay, inputs, parameters), name="llm-worker", daemon=True
             )
             with self.lock:
                 self.relays[relay.engine_request_id] = relay
@@ -111,9 +117,9 @@ class TritonPythonModel:
         return None
 
     # -- worker thread, one per request -----------------------------------------------------------
-    def _serve(self, relay: Relay, inputs: dict[str, np.ndarray]) -> None:
+    def _serve(self, relay: Relay, inputs: dict[str, np.ndarray], parameters: dict) -> None:
         try:
-            self._generate(relay, inputs)
+            self._generate(relay, inputs, parameters)
         except Exception as e:  # the request must still end, or its client waits forever
             detail = "".join(traceback.format_exception(e))
             pb_utils.Logger.log_error(f"llm: request {relay.engine_request_id}: {detail}")
@@ -124,10 +130,10 @@ class TritonPythonModel:
                 del self.relays[relay.engine_request_id]
                 self.workers.discard(threading.current_thread())
 
-    def _generate(self, relay: Relay, inputs: dict[str, np.ndarray]) -> None:
+    def _generate(self, relay: Relay, inputs: dict[str, np.ndarray], parameters: dict) -> None:
         try:
             with self.preprocess_lock:
-                request = self.preprocessor(inputs)
+                request = self.preprocessor(inputs, parameters)
         except ValidationError as e:
             self._finish(relay, _error_response(str(e), pb_utils.TritonError.INVALID_ARG))
             return
@@ -175,7 +181,7 @@ class TritonPythonModel:
             code = pb_utils.TritonError.UNAVAILABLE if error in UNAVAILABLE_ERRORS else None
             self._finish(relay, _error_response(error, code))
             return
-        last = _text(tensors, "finish_reason") != ""
+        last = _text(tensors, "finish_reason") not in ("", "None")  # "None": not the last yet
         if not keep_finish_reason:
             tensors = [t for t in tensors if t.name() != "finish_reason"]
         response = pb_utils.InferenceResponse(output_tensors=tensors)

@@ -84,7 +84,8 @@ _STOP = object()
 # request_options keys (preprocessing's RequestOptions): each a boolean
 REQUEST_OPTIONS = (
     "stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-    "return_num_output_tokens", "return_logprobs", "in_band_errors",
+    "return_num_output_tokens", "return_logprobs", "return_cumulative_logprob", "null_logprobs", "in_band_errors",
+    "return_output_log_probs", "return_batch_index",
 )
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -102,6 +103,7 @@ class RequestState:
     cancelled: bool = False
     text: list[str] = field(default_factory=list)  # not streaming: the completion so far
     logprobs: list[dict] = field(default_factory=list)  # not sent yet
+    unsent_tokens: int = 0  # tokens generated since the last response
     echo_pending: bool = False  # the prompt still has to precede the next text
     abandoned: bool = False  # its receiver is stuck: nothing more is sent
     started: bool = False  # its first output has come (AdmissionGate)
@@ -346,6 +348,7 @@ class TritonPythonModel:
             self.metrics.refresh(self.loop.engine.stats())
         if output.logprobs:
             state.logprobs.extend(output.logprobs)
+        state.unsent_tokens += len(output.token_ids)
         try:
             self._respond(state, output)
         except Exception as e:
@@ -380,19 +383,32 @@ class TritonPythonModel:
             self._send(state, self._response(state, output.text, output), flags)
 
     def _response(self, state: RequestState, text: str, output: RequestOutput):
+        """One response, with the outputs asked for as vllm_backend gives them: finish_reason
+        "None" until the last response, num_output_tokens and logprobs for the tokens since the
+        previous response, logprobs null unless the sampling parameter `logprobs` was given."""
         if state.echo_pending:
             text, state.echo_pending = state.prompt_text + text, False
         options = state.options
         tensors = [_bytes_tensor("text_output", text)]
         if options.get("return_finish_reason"):
-            tensors.append(_bytes_tensor("finish_reason", output.finish_reason or ""))
+            tensors.append(_bytes_tensor("finish_reason", str(output.finish_reason if output.finished else None)))
+        if options.get("return_cumulative_logprob"):
+            value = output.cumulative_logprob or 0.0
+            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))
+        if options.get("return_logprobs"):
+            entries = None if options.get("null_logprobs") else [_vllm_logprobs(e) for e in state.logprobs]
+            tensors.append(_bytes_tensor("logprobs", json.dumps(entries)))
+        if options.get("return_output_log_probs"):  # TensorRT-LLM's: [beam, tokens]
+            values = [[e["logprob"] for e in state.logprobs]]
+            tensors.append(pb_utils.Tensor("output_log_probs", np.array(values, dtype=np.float32)))
+        if options.get("return_batch_index"):
+            tensors.append(pb_utils.Tensor("batch_index", np.zeros((1, 1), dtype=np.int32)))
+        state.logprobs = []
         if options.get("return_num_input_tokens"):
             tensors.append(_uint32_tensor("num_input_tokens", output.num_prompt_tokens))
         if options.get("return_num_output_tokens"):
-            tensors.append(_uint32_tensor("num_output_tokens", output.num_output_tokens))
-        if options.get("return_logprobs"):
-            tensors.append(_bytes_tensor("logprobs", json.dumps(state.logprobs)))
-            state.logprobs = []
+            tensors.append(_uint32_tensor("num_output_tokens", state.unsent_tokens))
+        state.unsent_tokens = 0
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self):
@@ -487,6 +503,16 @@ def _text(request, name: str) -> str:
         return value[0].decode("utf-8")
     except UnicodeDecodeError:
         raise ValidationError(name, "is not valid UTF-8") from None
+
+
+def _vllm_logprobs(entry: dict) -> dict:
+    """An engine logprob entry in vllm_backend's shape: {token id: {"logprob", "rank",
+    "decoded_token"}} for the chosen token and the top n (ranked 1..n)."""
+    ranked = {token: {"logprob": lp, "rank": rank, "decoded_token": entry["text"][token]}
+              for rank, (token, lp) in enumerate(entry["top"].items(), start=1)}
+    chosen = entry["token_id"]
+    ranked[chosen] = {"logprob": entry["logprob"], "rank": entry["rank"], "decoded_token": entry["text"][chosen]}
+    return {str(token): value for token, value in ranked.items()}
 
 
 def _bytes_tensor(name: str, text: str):

@@ -20,7 +20,9 @@ import triton_python_backend_utils as pb_utils
 
 from backend.errors import INTERNAL_ERROR, ValidationError
 from serving.abort_channel import ENGINE_MODEL, abort_everywhere
+from serving import trtllm_inputs
 from serving.preprocessor import Preprocessor
+from serving.request_inputs import triton_parameters
 
 # llm_engine's inputs for a stop request that this model has delivered already
 DELIVERED_ABORT = {
@@ -37,6 +39,8 @@ class TritonPythonModel:
         parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         repository = Path(args["model_repository"]).parent  # args name the model's own directory
         self.preprocessor = Preprocessor.from_parameters(parameters, repository)
+        # "tensorrt_llm": the inputs are TensorRT-LLM backend's (the `ensemble` model's first step)
+        self.tensorrt_llm_inputs = parameters.get("input_convention", "llm") == "tensorrt_llm"
         self.input_names = [i["name"] for i in model_config["input"]]
         pb_utils.Logger.log_info(
             f"preprocessing: tokenizer {self.preprocessor.tokenizer_dir}, "
@@ -66,12 +70,18 @@ class TritonPythonModel:
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
         abort_request_id = _abort_request_id(inputs.pop("abort_request_id", None))
+        options = {}
+        if self.tensorrt_llm_inputs:
+            inputs, options = trtllm_inputs.llm_inputs(inputs)
         if abort_request_id:
             if not abort_everywhere(ENGINE_MODEL, abort_request_id):
                 pb_utils.Logger.log_error(f"preprocessing: no {ENGINE_MODEL} instance took the abort")
             engine_inputs = DELIVERED_ABORT | {"abort_request_id": np.array([abort_request_id.encode()], dtype=np.object_)}
         else:
-            engine_inputs = self.preprocessor(inputs).engine_inputs() | {"abort_request_id": np.array([b""], dtype=np.object_)}
+            preprocessed = self.preprocessor(inputs, triton_parameters(request))
+            for name, value in options.items():
+                setattr(preprocessed.options, name, value)
+            engine_inputs = preprocessed.engine_inputs() | {"abort_request_id": np.array([b""], dtype=np.object_)}
         outputs = [pb_utils.Tensor(n, a) for n, a in engine_inputs.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 

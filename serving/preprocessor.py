@@ -58,8 +58,9 @@ class Preprocessor:
         max_model_len = _max_model_len(tokenizer_dir, parameters.get("max_model_len", ""))
         return cls(tokenizer_dir, max_model_len)
 
-    def __call__(self, inputs: dict[str, np.ndarray]) -> PreprocessedRequest:
-        parsed = parse_request(inputs, self._render_chat, self.max_prompt_bytes)
+    def __call__(self, inputs: dict[str, np.ndarray], parameters: dict | None = None) -> PreprocessedRequest:
+        """`parameters`: the request's Triton parameters (sampling values, as vllm_backend reads them)."""
+        parsed = parse_request(inputs, self._render_chat, self.max_prompt_bytes, parameters)
         input_ids = self.tokenizer(parsed.prompt, add_special_tokens=not parsed.from_messages)[
             "input_ids"
         ]

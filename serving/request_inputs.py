@@ -1,8 +1,9 @@
 """Turn the public inputs of `llm` into a prompt, validated SamplingParams and request options.
 
 Plain Python (no Triton imports), so the rules can be tested on their own. Inputs arrive as a
-dict of name -> numpy array (what the request carried); every problem is a ValidationError that
-names the input and what is allowed. The work per request is bounded before it is done: a prompt
+dict of name -> numpy array (what the request carried), and sampling values may also come as the
+request's Triton parameters (vllm_backend's clients send both); every problem is a
+ValidationError that names the input and what is allowed. The work per request is bounded before it is done: a prompt
 longer than `max_prompt_bytes` is refused before it is tokenized, and JSON is parsed only within a size and a
 nesting depth (a deeply nested document would otherwise exhaust Python's recursion limit).
 """
@@ -37,25 +38,44 @@ SAMPLING_INPUTS = (
 
 @dataclass(slots=True)
 class RequestOptions:
-    """How llm_engine shapes the responses; passed on as JSON beside the sampling params."""
+    """How llm_engine shapes the responses; passed on as JSON beside the sampling params. As in
+    vllm_backend, the prompt precedes a whole completion unless excluded, and is never streamed."""
 
     stream: bool = False  # a response per new text delta, else one response with the completion
-    exclude_input_in_output: bool = True  # False: the prompt text precedes the completion
+    exclude_input_in_output: bool | None = None  # None: True when streaming, else False
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
+    # set by preprocessing, not inputs of `llm`:
+    null_logprobs: bool = False  # return_logprobs without the sampling parameter `logprobs`: null
+    return_output_log_probs: bool = False  # TensorRT-LLM's per-token logprobs (its return_log_probs)
+    return_batch_index: bool = False  # TensorRT-LLM's batch_index (always 0: one request per call)
 
     def __post_init__(self) -> None:
+        if self.exclude_input_in_output is None:
+            self.exclude_input_in_output = bool(self.stream)
         for f in fields(self):
             if not isinstance(getattr(self, f.name), bool):
                 raise ValidationError(f.name, f"must be a boolean, got {abbreviate(getattr(self, f.name))}")
+        if self.stream and not self.exclude_input_in_output:
+            raise ValidationError("exclude_input_in_output", "false is not allowed when streaming")
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
 
 
-OPTION_INPUTS = tuple(f.name for f in fields(RequestOptions))
+INTERNAL_OPTIONS = ("null_logprobs", "return_output_log_probs", "return_batch_index")
+OPTION_INPUTS = tuple(f.name for f in fields(RequestOptions) if f.name not in INTERNAL_OPTIONS)
+# vLLM sampling parameters this engine does not have: accepted only at the value that means "off"
+VLLM_ONLY_PARAMETERS: dict[str, Any] = {
+    "n": 1, "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
+    "prompt_logprobs": None, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+    "structured_outputs": None, "guided_decoding": None, "lora_name": None, "truncate_prompt_tokens": None,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+    "detokenize": True,
+}
 MAX_SAMPLING_PARAMETERS_BYTES = 65536
 MAX_JSON_DEPTH = 8  # sampling_parameters needs 2 (an object of lists), messages 3
 # Keys `sampling_parameters` accepts: every SamplingParams field and every option flag.
@@ -73,12 +93,22 @@ class ParsedRequest:
     options: RequestOptions
 
 
-def parse_request(inputs: dict[str, np.ndarray], render_chat, max_prompt_bytes: int) -> ParsedRequest:
+def parse_request(inputs: dict[str, np.ndarray], render_chat, max_prompt_bytes: int,
+                  parameters: dict[str, Any] | None = None) -> ParsedRequest:
     """`render_chat(messages: list[dict]) -> str` applies the tokenizer's chat template.
     `max_prompt_bytes`: the longest prompt (UTF-8) that could fit the context; longer ones are
-    refused before any tokenizing."""
+    refused before any tokenizing. `parameters`: the request's Triton parameters (Triton's own
+    are ignored); a value given in several places must agree."""
     prompt, from_messages = _prompt(inputs, render_chat, max_prompt_bytes)
     values = _sampling_parameters(inputs)
+    for name, value in _request_parameters(parameters or {}).items():
+        if name in values and not _same(values[name], value):
+            raise ValidationError(
+                name,
+                f"given in sampling_parameters ({abbreviate(values[name])}) and as a request parameter "
+                f"({abbreviate(value)}) with different values; give it once",
+            )
+        values[name] = value
     for name in SAMPLING_INPUTS + OPTION_INPUTS:
         if name not in inputs:
             continue
@@ -91,10 +121,20 @@ def parse_request(inputs: dict[str, np.ndarray], render_chat, max_prompt_bytes: 
             )
         values[name] = value
     options = RequestOptions(**{k: values.pop(k) for k in OPTION_INPUTS if k in values})
-    if options.return_logprobs and values.get("logprobs") is None:
-        values["logprobs"] = 0  # the chosen token's logprob
+    if (options.return_logprobs or options.return_cumulative_logprob) and values.get("logprobs") is None:
+        values["logprobs"] = 0  # the engine computes the chosen token's logprob
+        options.null_logprobs = True  # but `logprobs` was not asked for: the output is null
     params = SamplingParams.from_dict(values)
     return ParsedRequest(prompt, from_messages, params, options)
+
+
+def triton_parameters(request) -> dict[str, Any]:
+    """A Triton request's parameters (pb_utils.InferenceRequest.parameters(), a JSON object)."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except ValueError:
+        raise ValidationError("parameters", "malformed") from None
+    return parameters if isinstance(parameters, dict) else {}
 
 
 def _prompt(inputs: dict[str, np.ndarray], render_chat, max_prompt_bytes: int) -> tuple[str, bool]:
@@ -144,13 +184,43 @@ def _sampling_parameters(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
         return {}
     if not isinstance(values, dict):
         raise ValidationError("sampling_parameters", "must be a JSON object")
-    unknown = sorted(set(values) - set(SAMPLING_PARAMETER_KEYS))
-    if unknown:
-        raise ValidationError(
-            "sampling_parameters",
-            f"unknown key {abbreviate(unknown[0])}; allowed: {', '.join(SAMPLING_PARAMETER_KEYS)}",
-        )
-    return {k: _coerce(k, v) for k, v in values.items()}
+    return _known_values("sampling_parameters", values)
+
+
+def _request_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
+    """Sampling values among the request's parameters; Triton's own are skipped: triton_*, and the
+    request id that HTTP generate passes on as `id`."""
+    return _known_values("parameters", {k: v for k, v in parameters.items()
+                                        if not k.startswith("triton_") and k != "id"})
+
+
+def _known_values(source: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Sampling values by name, coerced; a vLLM-only feature at its "off" value is dropped."""
+    known = {}
+    for key, value in values.items():
+        if key in VLLM_ONLY_PARAMETERS:
+            off = VLLM_ONLY_PARAMETERS[key]
+            if not (value is None or _same(_coerce_like(off, value), off)):
+                raise ValidationError(key, f"is a vLLM feature this server does not have; only {off!r} is accepted")
+            continue
+        if key not in SAMPLING_PARAMETER_KEYS:
+            raise ValidationError(
+                source, f"unknown key {abbreviate(key)}; allowed: {', '.join(SAMPLING_PARAMETER_KEYS)}"
+            )
+        known[key] = _coerce(key, value)
+    return known
+
+
+def _coerce_like(example: Any, value: Any) -> Any:
+    """A string value ("1", "true") read as the type of `example`."""
+    if not isinstance(value, str) or example is None or isinstance(example, str):
+        return value
+    if isinstance(example, bool):
+        return {"true": True, "false": False}.get(value.lower(), value)
+    try:
+        return type(example)(value)
+    except ValueError:
+        return value
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -96,7 +96,7 @@ def _repository_with_tiny_model(root: Path) -> tuple[Path, Path]:
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(model_dir)
     repository = root / "model_repository"
-    for model in ("preprocessing", "llm_engine", "llm", "llm_bls"):
+    for model in ("preprocessing", "llm_engine", "llm", "llm_bls", "trtllm_preprocessing", "ensemble"):
         (repository / model).mkdir(parents=True)
         config = (DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text()
         config = config.replace('"llm_engine/1/target"', f'"{model_dir}"')  # preprocessing
@@ -114,7 +114,7 @@ def _repository_with_parameters(root: Path, parameters: dict[str, str], engine_c
     parameters set; `engine_config` replaces llm_engine's instance_group line (instance groups,
     a queue policy)."""
     repository = root / "model_repository"
-    for model in ("preprocessing", "llm_engine", "llm", "llm_bls"):
+    for model in ("preprocessing", "llm_engine", "llm", "llm_bls", "trtllm_preprocessing", "ensemble"):
         (repository / model / "1").mkdir(parents=True)
         config = (DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text()
         config = config.replace('"llm_engine/1/target"', f'"{DEFAULT_MODEL}"')  # preprocessing

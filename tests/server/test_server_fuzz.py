@@ -13,13 +13,15 @@ import pytest
 
 from backend.sampling_params import SamplingParams
 from client.stream import GenerationError, complete
+from serving.request_inputs import VLLM_ONLY_PARAMETERS
 
 pytestmark = pytest.mark.server
 
 NUM_CASES = 320
-FIELDS = SamplingParams.field_names() | {
-    "text_input", "messages", "sampling_parameters", "stream", "exclude_input_in_output",
+FIELDS = SamplingParams.field_names() | set(VLLM_ONLY_PARAMETERS) | {
+    "text_input", "messages", "sampling_parameters", "parameters", "stream", "exclude_input_in_output",
     "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
+    "return_cumulative_logprob",
 }
 LEAKS = re.compile(r"Traceback|File \"|\.py\b|/work/|site-packages|Error\b")
 REFERENCE = dict(max_tokens=12, temperature=0.0, ignore_eos=True)

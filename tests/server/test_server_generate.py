@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from client.stream import complete
+from client.stream import GenerationError, complete
 
 pytestmark = pytest.mark.server
 
@@ -57,25 +57,36 @@ def test_token_counts_and_finish_reason(server, tokenizer, protocol, stream):
     result = _run(
         server, protocol, stream, max_tokens=9, temperature=0.0, ignore_eos=True,
         return_finish_reason=True, return_num_input_tokens=True, return_num_output_tokens=True,
-        return_logprobs=True,
+        return_logprobs=True, return_cumulative_logprob=True, sampling_parameters={"logprobs": 2},
     )
     last = result.chunks[-1]
     assert last.finish_reason == "length"
+    assert all(c.finish_reason is None for c in result.chunks[:-1])  # "None" on the wire
     assert last.num_input_tokens == len(tokenizer(PROMPT)["input_ids"])
-    assert last.num_output_tokens == 9
+    assert result.num_output_tokens == 9  # each chunk counts its own tokens
     logprobs = [lp for c in result.chunks for lp in (c.logprobs or [])]
     assert len(logprobs) == 9
-    assert all(lp["logprob"] <= 0.0 for lp in logprobs)
-    counts = [c.num_output_tokens for c in result.chunks]
-    assert counts == sorted(counts)  # a running total
+    for c in result.chunks:
+        assert len(c.logprobs) == c.num_output_tokens
+        assert c.text == "".join(d["decoded_token"] for lp in c.logprobs for d in lp.values() if d["rank"] == 1)
+    for lp in logprobs:  # greedy: the chosen token ranks first, beside the top 2
+        assert 1 <= len(lp) <= 3 and all(d["logprob"] <= 0.0 for d in lp.values())
+        assert sorted(d["rank"] for d in lp.values())[:2] == [1, 2]
+    total = sum(d["logprob"] for lp in logprobs for d in lp.values() if d["rank"] == 1)
+    assert last.cumulative_logprob == pytest.approx(total, abs=1e-4)
 
 
-def test_prompt_is_echoed_only_when_asked(server):
+def test_the_prompt_is_echoed_as_vllm_backend_does(server):
+    """Without exclude_input_in_output a whole completion follows the prompt and a stream does
+    not; false with streaming is refused. (The client library excludes it unless asked.)"""
     params = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
     plain = _run(server, "grpc", True, **params).text
-    echoed = _run(server, "grpc", True, exclude_input_in_output=False, **params).text
-    assert echoed == PROMPT + plain
-    assert _run(server, "http", False, exclude_input_in_output=False, **params).text == PROMPT + plain
+    assert _run(server, "grpc", True, exclude_input_in_output=None, **params).text == plain
+    assert _run(server, "http", False, exclude_input_in_output=None, **params).text == PROMPT + plain
+    assert _run(server, "grpc", False, exclude_input_in_output=False, **params).text == PROMPT + plain
+    assert _run(server, "grpc", False, **params).text == plain
+    with pytest.raises(GenerationError, match="exclude_input_in_output: false is not allowed when streaming"):
+        _run(server, "grpc", True, exclude_input_in_output=False, **params)
 
 
 def test_sampling_parameters_json_matches_single_inputs(server):

@@ -69,7 +69,7 @@ def _healthy_request(server) -> tuple[float, int | None]:
         server.grpc_url, "def main():", model="llm", max_tokens=HEALTHY_MAX_TOKENS, ignore_eos=True,
         temperature=0, return_num_output_tokens=True, timeout=120,
     ))
-    return time.monotonic() - start, chunks[-1].num_output_tokens
+    return time.monotonic() - start, sum(c.num_output_tokens for c in chunks)
 
 
 def _bls_stream_started(server):

@@ -14,7 +14,7 @@ def _text(value: str) -> np.ndarray:
     return np.array([value.encode()], dtype=np.object_)
 
 
-def _parse(**inputs):
+def _parse(parameters=None, **inputs):
     arrays = {"text_input": _text("hi")}
     for name, value in inputs.items():
         if isinstance(value, np.ndarray):
@@ -23,7 +23,8 @@ def _parse(**inputs):
             arrays[name] = _text(value)
         elif value is None:
             arrays.pop(name, None)
-    return request_inputs.parse_request(arrays, render_chat=lambda messages: f"<chat {len(messages)}>", max_prompt_bytes=1000)
+    return request_inputs.parse_request(arrays, render_chat=lambda messages: f"<chat {len(messages)}>",
+                                        max_prompt_bytes=1000, parameters=parameters)
 
 
 def test_single_inputs_become_sampling_params():
@@ -40,13 +41,44 @@ def test_single_inputs_become_sampling_params():
 
 
 def test_options_are_split_from_sampling_params():
-    parsed = _parse(stream=np.array([True]), exclude_input_in_output=np.array([False]),
-                    return_logprobs=np.array([True]))
+    parsed = _parse(stream=np.array([True]), return_logprobs=np.array([True]))
     assert json.loads(parsed.options.to_json()) == {
-        "stream": True, "exclude_input_in_output": False, "return_finish_reason": False,
+        "stream": True, "exclude_input_in_output": True, "return_finish_reason": False,
         "return_num_input_tokens": False, "return_num_output_tokens": False, "return_logprobs": True,
+        "return_cumulative_logprob": False, "null_logprobs": True, "return_output_log_probs": False,
+        "return_batch_index": False,
     }
-    assert parsed.params.logprobs == 0  # the chosen token's logprob
+    assert parsed.params.logprobs == 0  # the chosen token's logprob, for the engine; the output is null
+    asked = _parse(return_logprobs=np.array([True]), sampling_parameters='{"logprobs": 2}')
+    assert asked.params.logprobs == 2 and not asked.options.null_logprobs
+
+
+def test_the_prompt_precedes_a_whole_completion_and_is_never_streamed():
+    """vllm_backend's defaults: exclude_input_in_output absent is false without streaming and
+    true with it; false with streaming is refused."""
+    assert not _parse().options.exclude_input_in_output
+    assert _parse(stream=np.array([True])).options.exclude_input_in_output
+    with pytest.raises(ValidationError, match="exclude_input_in_output: false is not allowed when streaming"):
+        _parse(stream=np.array([True]), exclude_input_in_output=np.array([False]))
+
+
+def test_request_parameters_count_like_sampling_parameters():
+    parsed = _parse(parameters={"temperature": "0", "max_tokens": "3", "triton_enable_empty_final_response": True},
+                    sampling_parameters='{"temperature": "0"}')
+    assert (parsed.params.temperature, parsed.params.max_tokens) == (0.0, 3)
+    with pytest.raises(ValidationError, match="max_tokens: given in sampling_parameters .* and as a request parameter"):
+        _parse(parameters={"max_tokens": "3"}, sampling_parameters='{"max_tokens": 4}')
+    with pytest.raises(ValidationError, match="parameters: unknown key 'colour'"):
+        _parse(parameters={"colour": "red"})
+
+
+def test_vllm_only_parameters_are_refused_unless_off():
+    parsed = _parse(sampling_parameters='{"n": "1", "skip_special_tokens": true, "best_of": null}')
+    assert parsed.params.max_tokens == 16
+    with pytest.raises(ValidationError, match="n: is a vLLM feature this server does not have; only 1"):
+        _parse(sampling_parameters='{"n": 2}')
+    with pytest.raises(ValidationError, match="lora_name: is a vLLM feature"):
+        _parse(parameters={"lora_name": "x"})
 
 
 def test_sampling_parameters_accept_vllm_style_strings():
@@ -75,7 +107,7 @@ def test_input_and_json_must_agree():
         (dict(text_input=None, messages="{"), "messages"),
         (dict(text_input=None, messages="[]"), "messages"),
         (dict(sampling_parameters="[]"), "sampling_parameters"),
-        (dict(sampling_parameters='{"n": 2}'), "sampling_parameters"),
+        (dict(sampling_parameters='{"colour": 2}'), "sampling_parameters"),
         (dict(sampling_parameters='{"top_k": "many"}'), "top_k"),
         (dict(sampling_parameters='{"stop": 5}'), "stop"),
         (dict(max_tokens=np.array([1, 2], dtype=np.int32)), "max_tokens"),

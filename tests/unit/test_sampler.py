@@ -119,9 +119,22 @@ def test_inverse_cdf_draws_exactly_and_never_a_zero_probability_token():
 def test_logprobs_chosen_and_top():
     out = Sampler()(LOGITS.clone(), meta(request(temperature=0.0, logprobs=2)))
     assert out.token_ids.tolist() == [[0]]
-    (chosen, top_ids, top_values), = out.logprobs.entries().values()
+    (chosen, rank, top_ids, top_values), = out.logprobs.entries().values()
     assert abs(chosen - torch.log(torch.tensor(0.5)).item()) < 1e-6
+    assert rank == 1  # greedy: the most likely token
     assert top_ids[:2] == [0, 1]
+
+
+def test_the_rank_of_a_sampled_token_counts_the_tokens_more_likely():
+    seen = set()
+    for seed in range(40):
+        out = Sampler()(LOGITS.clone(), meta(request(temperature=1.0, seed=seed, logprobs=0)))
+        token = out.token_ids.tolist()[0][0]
+        (chosen, rank, _, _), = out.logprobs.entries().values()
+        logp = torch.log_softmax(LOGITS[0], -1)
+        assert rank == 1 + int((logp > logp[token]).sum())
+        seen.add(rank)
+    assert len(seen) > 1
 
 
 def test_greedy_verification_keeps_the_argmax_prefix_then_the_argmax():
