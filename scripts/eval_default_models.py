@@ -1,4 +1,5 @@
-"""Evaluate the default draft/target pair on held-out standard-library files.
+"""Evaluate the default draft/target pair on held-out standard-library files, or (``--heldout
+projects``) on whole installed projects that the broad corpus holds out of training, one row each.
 
 Reports held-out loss and perplexity of both models, how often the draft's greedy token matches the
 target's, the expected acceptance a = sum_x min(p(x), q(x)) of speculative sampling (p target,
@@ -7,6 +8,10 @@ c of a draft decode step to a target decode step, and the predicted speedup
 S(k) = (1 - a^(k+1)) / ((1 - a)(k c + 1)) for k = 1..6 draft tokens per step.
 
     python scripts/eval_default_models.py            # models in model_repository/llm_engine/1
+    python scripts/eval_default_models.py --heldout projects --windows 8
+
+Acceptance at T = 0 is the greedy agreement (the draft's argmax is accepted exactly when it is the
+target's).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from train_default_models import DEFAULT_OUT, fixed_windows, load_split
+from python_corpus import split_projects
+from train_default_models import DEFAULT_OUT, fixed_windows, load_split, split_corpus, tokenize
 
 TEMPERATURES = (1.0, 0.7)
 DRAFT_LENGTHS = range(1, 7)
@@ -124,15 +130,60 @@ def evaluate(model_dir: Path, heldout: np.ndarray, num_windows: int, seq_len: in
     return "\n".join(lines)
 
 
+def evaluate_projects(model_dir: Path, seed: int, windows_per_project: int, seq_len: int,
+                      device: str = "cpu") -> str:
+    """One row per held-out project (tokenized with the pair's own tokenizer), then all of them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir / "target")
+    models = {name: AutoModelForCausalLM.from_pretrained(model_dir / name, dtype=torch.float32)
+              .to(device).eval() for name in ("target", "draft")}
+    _, projects, _ = split_projects(seed, set(split_corpus(seed)[1]["heldout_files"]))
+    rows, weighted = [], []
+    for name, files in projects.items():
+        tokens = tokenize(tokenizer, list(files.values()))
+        if len(tokens) <= seq_len + 1:
+            continue
+        stats = compare(models["target"], models["draft"], fixed_windows(tokens, windows_per_project, seq_len), device)
+        weighted.append(stats)
+        rows.append(f"| {name} | {stats.num_tokens:,} | {np.exp(stats.target_loss):.1f} | {np.exp(stats.draft_loss):.1f} | "
+                    f"{stats.greedy_agreement:.1%} | {stats.acceptance[0.7]:.3f} | {stats.acceptance[1.0]:.3f} |")
+    total = sum(s.num_tokens for s in weighted)
+
+    def mean(get) -> float:
+        return sum(get(s) * s.num_tokens for s in weighted) / total
+
+    a = {0.0: mean(lambda s: s.greedy_agreement), 0.7: mean(lambda s: s.acceptance[0.7]),
+         1.0: mean(lambda s: s.acceptance[1.0])}
+    c = decode_step_seconds(models["draft"].to("cpu")) / decode_step_seconds(models["target"].to("cpu"))
+    lines = [f"{len(rows)} held-out projects, up to {windows_per_project} windows of {seq_len} tokens each.", "",
+             "| project | positions | target perplexity | draft perplexity | a (T=0, greedy agreement) | a (T=0.7) | a (T=1) |",
+             "|---|---|---|---|---|---|---|", *rows,
+             f"| all (by position) | {total:,} | {np.exp(mean(lambda s: s.target_loss)):.1f} | "
+             f"{np.exp(mean(lambda s: s.draft_loss)):.1f} | {a[0.0]:.1%} | {a[0.7]:.3f} | {a[1.0]:.3f} |", "",
+             f"Cost ratio c (draft / target decode step, CPU batch 1): {c:.3f}. Predicted S(k):", "",
+             "| temperature | a | " + " | ".join(f"k={k}" for k in DRAFT_LENGTHS) + " |",
+             "|---|---|" + "---|" * len(DRAFT_LENGTHS)]
+    for t, value in a.items():
+        lines.append(f"| {t} | {value:.3f} | " + " | ".join(f"{speedup(value, k, c):.2f}" for k in DRAFT_LENGTHS) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=Path, default=DEFAULT_OUT, help="holds target/ and draft/")
     p.add_argument("--windows", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--heldout", choices=("stdlib", "projects"), default="stdlib",
+                   help="stdlib: held-out standard-library files; projects: held-out whole projects")
+    p.add_argument("--seed", type=int, default=1234, help="the corpus split's seed (projects)")
     args = p.parse_args()
     torch.manual_seed(0)
-    print(evaluate(args.models, load_split("heldout"), args.windows, args.seq_len, args.device))
+    if args.heldout == "projects":
+        print(evaluate_projects(args.models, args.seed, args.windows, args.seq_len, args.device))
+    else:
+        print(evaluate(args.models, load_split("heldout"), args.windows, args.seq_len, args.device))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,22 @@
 """Train the default draft/target Llama pair shipped in model_repository/llm_engine/1.
 
-Everything comes from text every machine has: the Python standard library's own source files.
+Everything comes from text every machine has. ``--corpus stdlib`` (the first pair): the Python
+standard library's own source files, dealt by file. ``--corpus projects``: the standard library
+and every installed distribution's Python files, cleaned, deduplicated and dealt by whole project,
+so that evaluation sees projects training never saw (scripts/python_corpus.py).
 Stages (``--stage`` takes a comma list or ``all``):
 
   tokenizer  byte-level BPE (vocab 8192, <s> </s> <pad>) wrapped as a transformers fast tokenizer
   data       the corpus tokenized to uint16 arrays: train, valid (~1% of files, picks the best
-             checkpoint) and heldout (~3% of files, evaluation only)
+             checkpoint) and heldout (stdlib: ~3% of files; projects: the same stdlib files,
+             beside the held-out projects that scripts/eval_default_models.py reads itself)
   target     a ~12M-parameter Llama, next-token cross-entropy, AdamW + cosine
   draft      a ~1.5M-parameter Llama distilled from the target: KL(target || draft) + a little CE
   package    reload trained weights from --from and save them with the tokenizer (float16)
   eval       held-out perplexity, draft/target agreement, acceptance and predicted speedup
 
-Tokenizer and data land in .cache/default_models and are reused when present, so the training
-stages can run on a machine whose standard library differs. Start to finish on one box:
+Tokenizer and data land in .cache/default_models (projects: .cache/default_models/projects) and
+are reused when present, so the training stages can run on a machine whose sources differ. Start to finish on one box:
 
     python scripts/train_default_models.py --stage all --target-minutes 20 --draft-minutes 5
 
@@ -43,6 +47,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+
+from python_corpus import split_projects
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache" / "default_models"
@@ -80,9 +86,15 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def split_corpus(seed: int) -> tuple[dict[str, list[str]], dict]:
+def split_corpus(seed: int, corpus: str = "stdlib") -> tuple[dict[str, list[str]], dict]:
     """Read the standard library and deal its files, seeded, into train, valid (~1%, picks the
-    best checkpoint while training) and heldout (~3%, evaluation only). Returns (splits, meta)."""
+    best checkpoint while training) and heldout (~3%, evaluation only). Returns (splits, meta).
+    `corpus` "projects": the broader corpus, the same stdlib files held out (python_corpus.py)."""
+    if corpus == "projects":
+        stdlib_meta = split_corpus(seed)[1]
+        splits, _, meta = split_projects(seed, set(stdlib_meta["heldout_files"]))
+        splits["heldout"] = splits.pop("heldout_stdlib")
+        return splits, meta | dict(num_files=sum(len(v) for v in splits.values()), python=stdlib_meta["python"])
     root = Path(sysconfig.get_paths()["stdlib"])
     texts, names = [], []
     for path in stdlib_files():
@@ -140,6 +152,10 @@ def save_tokenizer(tokenizer, out_dir: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
+def cache_dir(corpus: str) -> Path:
+    return CACHE_DIR if corpus == "stdlib" else CACHE_DIR / corpus
+
+
 def load_tokenizer(path: Path = CACHE_DIR / "tokenizer"):
     from transformers import AutoTokenizer
 
@@ -155,8 +171,8 @@ def tokenize(tokenizer, texts: list[str]) -> np.ndarray:
     return np.concatenate([np.array([bos, *enc.ids, eos], dtype=np.uint16) for enc in ids])
 
 
-def load_split(name: str) -> np.ndarray:
-    path = CACHE_DIR / f"{name}.npy"
+def load_split(name: str, cache: Path = CACHE_DIR) -> np.ndarray:
+    path = cache / f"{name}.npy"
     if not path.exists():
         sys.exit(f"no tokenized corpus at {path}: run --stage data first")
     return np.load(path)
@@ -330,46 +346,46 @@ def distill_loss(teacher, ce_weight: float):
 # ----------------------------------------------------------------------------- stages
 
 def stage_tokenizer(args) -> None:
-    splits, meta = split_corpus(args.seed)
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(splits["train"], CACHE_DIR / "tokenizer")
+    splits, meta = split_corpus(args.seed, args.corpus)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(splits["train"], args.cache / "tokenizer")
     print(f"tokenizer: {len(tok)} tokens from {meta['num_files']} files of Python {meta['python']}")
 
 
 def stage_data(args) -> None:
-    splits, meta = split_corpus(args.seed)
-    tok = load_tokenizer()
+    splits, meta = split_corpus(args.seed, args.corpus)
+    tok = load_tokenizer(args.cache / "tokenizer")
     for name, texts in splits.items():
         tokens = tokenize(tok, texts)
-        np.save(CACHE_DIR / f"{name}.npy", tokens)
+        np.save(args.cache / f"{name}.npy", tokens)
         meta[f"{name}_tokens"] = int(len(tokens))
         meta[f"{name}_bytes"] = sum(len(t.encode()) for t in texts)
-    (CACHE_DIR / "corpus.json").write_text(json.dumps(meta, indent=1))
+    (args.cache / "corpus.json").write_text(json.dumps(meta, indent=1))
     print(f"data: {meta['train_tokens']:,} train, {meta['valid_tokens']:,} valid, "
           f"{meta['heldout_tokens']:,} held-out tokens "
           f"({meta['train_bytes'] / meta['train_tokens']:.2f} bytes/token)")
 
 
 def stage_target(args) -> None:
-    tok = load_tokenizer()
+    tok = load_tokenizer(args.cache / "tokenizer")
     model = new_model(TARGET_SHAPE, tok, args.seed).to(args.device)
     print(f"target: {num_params(model):,} parameters on {args.device}")
-    batches = random_batches(load_split("train"), args.batch_size, args.seq_len, args.seed, args.device)
-    valid = fixed_windows(load_split("valid"), args.valid_windows, args.seq_len)
+    batches = random_batches(load_split("train", args.cache), args.batch_size, args.seq_len, args.seed, args.device)
+    valid = fixed_windows(load_split("valid", args.cache), args.valid_windows, args.seq_len)
     train_loop(model, target_loss, batches, valid, args, args.target_lr,
                args.target_minutes * 60, args.target_steps, "target")
     save_model(model, args.out / "target", tok, args.weights_only, args.shard)
 
 
 def stage_draft(args) -> None:
-    tok = load_tokenizer()
+    tok = load_tokenizer(args.cache / "tokenizer")
     teacher_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     teacher = load_model(args.out / "target", args.device, teacher_dtype).eval()
     model = new_model(DRAFT_SHAPE, tok, args.seed + 1).to(args.device)
     print(f"draft: {num_params(model):,} parameters on {args.device}")
-    batches = random_batches(load_split("train"), args.batch_size, args.seq_len, args.seed + 1,
+    batches = random_batches(load_split("train", args.cache), args.batch_size, args.seq_len, args.seed + 1,
                              args.device)
-    valid = fixed_windows(load_split("valid"), args.valid_windows, args.seq_len)
+    valid = fixed_windows(load_split("valid", args.cache), args.valid_windows, args.seq_len)
     train_loop(model, distill_loss(teacher, args.ce_weight), batches, valid, args, args.draft_lr,
                args.draft_minutes * 60, args.draft_steps, "draft")
     save_model(model, args.out / "draft", tok, args.weights_only, args.shard)
@@ -377,7 +393,7 @@ def stage_draft(args) -> None:
 
 def stage_package(args) -> None:
     """Re-save checkpoints from ``--from`` (e.g. trained elsewhere) as complete model folders."""
-    tok = load_tokenizer()
+    tok = load_tokenizer(args.cache / "tokenizer")
     for name in ("target", "draft"):
         model = load_model(args.from_dir / name, "cpu", torch.float16)
         save_model(model, args.out / name, tok, weights_only=False, shard="100MB")
@@ -388,7 +404,7 @@ def stage_package(args) -> None:
 def stage_eval(args) -> None:
     from eval_default_models import evaluate
 
-    print(evaluate(args.out, load_split("heldout"), args.eval_windows, args.seq_len, args.device))
+    print(evaluate(args.out, load_split("heldout", args.cache), args.eval_windows, args.seq_len, args.device))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -396,6 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stage", default="all",
                    help=f"comma list of {', '.join(STAGES)}, or all ({', '.join(ALL_STAGES)})")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--corpus", choices=("stdlib", "projects"), default="stdlib",
+                   help="stdlib: the first pair's corpus; projects: stdlib + installed packages, by project")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cuda or cpu")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="holds target/ and draft/")
     p.add_argument("--from", dest="from_dir", type=Path, help="package: folder with target/ and draft/")
@@ -424,6 +442,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stage package needs --from")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.cache = cache_dir(args.corpus)
     return args
 
 
