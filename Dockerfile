@@ -10,10 +10,11 @@ COPY pyproject.toml README.md ./
 COPY backend backend
 COPY client client
 COPY kernels kernels
+COPY serving serving
 # torch from PyPI is a CUDA build, which is what this image wants
 RUN pip install --no-cache-dir -e .
 COPY model_repository model_repository
 
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 # tritonserver is on PATH in this image, so the launcher uses it and its own Python backend
 CMD ["python3", "-m", "serving.launcher", "--model-repository", "/opt/specserve/model_repository"]

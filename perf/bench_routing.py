@@ -63,7 +63,7 @@ def instance_shares(metrics_url: str) -> list[float]:
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     counts: dict[str, float] = {}
     for m in re.finditer(rf'^{FINISHED}\{{([^}}]*)\}} (\S+)$', text, re.M):
-        instance = re.search(r'instance="([^"]*)"', m.group(1))
+        instance = re.search(r'model_instance="([^"]*)"', m.group(1))
         if instance:
             counts[instance.group(1)] = counts.get(instance.group(1), 0.0) + float(m.group(2))
     total = sum(counts.values()) or 1.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from python_corpus import split_projects
-from train_default_models import DEFAULT_OUT, fixed_windows, load_split, split_corpus, tokenize
+from train_default_models import DEFAULT_OUT, cache_dir, fixed_windows, load_split, split_corpus, tokenize
 
 TEMPERATURES = (1.0, 0.7)
 DRAFT_LENGTHS = range(1, 7)
@@ -138,7 +139,9 @@ def evaluate_projects(model_dir: Path, seed: int, windows_per_project: int, seq_
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "target")
     models = {name: AutoModelForCausalLM.from_pretrained(model_dir / name, dtype=torch.float32)
               .to(device).eval() for name in ("target", "draft")}
-    _, projects, _ = split_projects(seed, set(split_corpus(seed)[1]["heldout_files"]))
+    built = cache_dir("projects") / "corpus.json"  # the held-out projects of the corpus trained on
+    names = set(json.loads(built.read_text())["heldout_projects"]) if built.exists() else None
+    _, projects, _ = split_projects(seed, set(split_corpus(seed)[1]["heldout_files"]), names)
     rows, weighted = [], []
     for name, files in projects.items():
         tokens = tokenize(tokenizer, list(files.values()))

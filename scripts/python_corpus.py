@@ -121,14 +121,17 @@ def cleaned(projects: list[Project]) -> list[Project]:
     return out
 
 
-def split_projects(seed: int, stdlib_heldout: set[str]) -> tuple[dict[str, list[str]], dict[str, dict[str, str]], dict]:
+def split_projects(seed: int, stdlib_heldout: set[str], heldout_names: set[str] | None = None,
+                   ) -> tuple[dict[str, list[str]], dict[str, dict[str, str]], dict]:
     """(texts per split: train, valid, heldout_stdlib; held-out projects' texts by project; meta).
-    `stdlib_heldout`: the standard library files (relative paths) kept out of training."""
+    `stdlib_heldout`: the standard library files (relative paths) kept out of training.
+    `heldout_names`: hold out exactly these projects (those installed), as a corpus built earlier
+    did (its corpus.json), whatever has been installed since; None: draw them."""
     stdlib, *others = cleaned([stdlib_project(), *installed_projects()])
     rng = random.Random(seed)
     total = sum(p.num_bytes for p in others)
-    heldout: list[Project] = []
-    for project in rng.sample(others, len(others)):
+    heldout: list[Project] = [p for p in others if heldout_names is not None and p.name in heldout_names]
+    for project in rng.sample(others, len(others)) if heldout_names is None else []:
         if sum(p.num_bytes for p in heldout) >= HELDOUT_PROJECT_FRACTION * total:
             break
         if project.num_bytes <= HELDOUT_PROJECT_FRACTION * total / 3:  # no giant eats the budget

@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from python_corpus import split_projects
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # imported as scripts.train_default_models too
+from python_corpus import split_projects  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache" / "default_models"

@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         "--exit-timeout", type=int, default=30,
         help="seconds to let requests in flight finish on Ctrl-C or SIGTERM",
     )
+    parser.add_argument("--openai-port", type=int, default=9000,
+                        help="the OpenAI-compatible API (serving/openai_server.py); 0: off")
     args = parser.parse_args(argv)
 
     try:
@@ -326,22 +328,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specserve-serve: {e}", file=sys.stderr)
         return 1
 
+    openai = None
+    if args.openai_port:  # beside tritonserver, stopped with it
+        openai = subprocess.Popen([sys.executable, "-m", "serving.openai_server", "--triton", handle.grpc_url,
+                                   "--port", str(args.openai_port)], cwd=REPO_ROOT)
+
     def forward(signum, _frame):
-        if handle.process.poll() is None:
-            handle.process.send_signal(signum)
+        for process in (handle.process, openai):
+            if process is not None and process.poll() is None:
+                process.send_signal(signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
+    openai_line = f"  OpenAI   http://localhost:{args.openai_port}/v1 (model specserve)\n" if openai else ""
     print(
         f"\nspecserve is ready: model `llm`\n"
         f"  HTTP     http://{handle.http_url}/v2/models/llm/generate_stream\n"
         f"  gRPC     {handle.grpc_url}\n"
+        f"{openai_line}"
         f"  metrics  {handle.metrics_url}\n"
         f'  try      python -m client.cli "Once upon a time" --max-tokens 64 '
         f"--url {handle.grpc_url}\n",
         flush=True,
     )
-    return handle.process.wait()
+    code = handle.process.wait()
+    if openai is not None:
+        openai.terminate()
+        openai.wait()
+    return code
 
 
 if __name__ == "__main__":

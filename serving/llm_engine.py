@@ -145,7 +145,7 @@ class TritonPythonModel:
         self.closing = False  # finalize() has begun
         self.gate = AdmissionGate(max_pending)
         self.metrics = EngineMetrics(
-            {"model": args["model_name"], "version": args["model_version"], "instance": self.instance_name}
+            {"model": args["model_name"], "version": args["model_version"], "model_instance": self.instance_name}
         )
         self.requests: dict[str, RequestState] = {}  # request id -> state; sender thread owns it
         # Triton request id -> time.monotonic() until which a request arriving with it is aborted
@@ -507,12 +507,13 @@ def _text(request, name: str) -> str:
 
 def _vllm_logprobs(entry: dict) -> dict:
     """An engine logprob entry in vllm_backend's shape: {token id: {"logprob", "rank",
-    "decoded_token"}} for the chosen token and the top n (ranked 1..n)."""
-    ranked = {token: {"logprob": lp, "rank": rank, "decoded_token": entry["text"][token]}
-              for rank, (token, lp) in enumerate(entry["top"].items(), start=1)}
+    "decoded_token"}} for the chosen token (first) and the top n (ranked 1..n)."""
     chosen = entry["token_id"]
-    ranked[chosen] = {"logprob": entry["logprob"], "rank": entry["rank"], "decoded_token": entry["text"][chosen]}
-    return {str(token): value for token, value in ranked.items()}
+    out = {str(chosen): {"logprob": entry["logprob"], "rank": entry["rank"], "decoded_token": entry["text"][chosen]}}
+    for rank, (token, lp) in enumerate(entry["top"].items(), start=1):
+        if token != chosen:
+            out[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": entry["text"][token]}
+    return out
 
 
 def _bytes_tensor(name: str, text: str):

@@ -54,14 +54,14 @@ class Server:
         return samples
 
     def instance_metrics(self) -> dict[str, dict[str, float]]:
-        """The samples of each instance (by its `instance` label)."""
+        """The samples of each instance (by its `model_instance` label)."""
         text = urllib.request.urlopen(self.handle.metrics_url, timeout=10).read().decode()
         instances: dict[str, dict[str, float]] = {}
         for m in re.finditer(r"^(specserve_\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M):
             name, labels, value = m.groups()
             labels = [label for label in (labels or "").split(",") if label]
-            instance = next((label.split("=", 1)[1].strip('"') for label in labels if label.startswith("instance=")), "")
-            extra = [label for label in labels if not label.startswith(("model=", "version=", "instance="))]
+            instance = next((label.split("=", 1)[1].strip('"') for label in labels if label.startswith("model_instance=")), "")
+            extra = [label for label in labels if not label.startswith(("model=", "version=", "model_instance="))]
             instances.setdefault(instance, {})[name + ("{" + ",".join(extra) + "}" if extra else "")] = float(value)
         return instances
 

@@ -1,0 +1,328 @@
+"""An OpenAI-compatible HTTP server in front of tritonserver: /v1/models, /v1/completions and
+/v1/chat/completions (streamed as server-sent events, or whole), /health.
+
+Each request is one gRPC stream to the `llm` model (tritonclient's asyncio client, always
+streaming: a whole answer is gathered here). A client that goes away mid-request gets its request
+stopped on the server (a stop request naming it, README "Stopping a request"), so its KV cache is
+freed at once. Translation both ways: serving/openai_protocol.py.
+
+    python -m serving.openai_server --triton localhost:8001 --port 9000
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aio_grpcclient
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from client.stream import INPUT_TYPES, OUTPUTS, request_inputs
+from serving.openai_protocol import (
+    Accumulator,
+    GenerationRequest,
+    OpenAIError,
+    chat_inputs,
+    chat_logprobs,
+    completion_inputs,
+    completion_logprobs,
+)
+
+TRITON_MODEL = "llm"
+STOP_WAIT_S = 2.0  # a stopped request's last response is awaited this long before the stream closes
+UNAVAILABLE = ("unavailable", "Exceeds maximum queue size", "shutting down")
+
+
+class TritonGeneration:
+    """One `llm` request over its own gRPC stream, read by a task of its own; `stop()` sends the
+    stop request on the stream and waits (STOP_WAIT_S at most) for the request to end."""
+
+    def __init__(self, client: aio_grpcclient.InferenceServerClient, inputs: dict[str, Any]):
+        self.client = client
+        self.request_id = uuid.uuid4().hex
+        self.outgoing: asyncio.Queue = asyncio.Queue()  # requests to send; None ends the stream
+        self.outgoing.put_nowait(_request(self.request_id, _tensors(inputs)))
+        self.incoming: asyncio.Queue = asyncio.Queue()  # outputs by name, or an OpenAIError
+        self.done = asyncio.Event()  # the request's last response (or an error) has come
+        self.reader: asyncio.Task | None = None
+
+    async def _requests(self) -> AsyncIterator[dict]:
+        while (item := await self.outgoing.get()) is not None:
+            yield item
+
+    async def _read(self) -> None:
+        try:
+            async for result, error in self.client.stream_infer(self._requests()):
+                if error is not None:
+                    self.incoming.put_nowait(_triton_error(error.message()))
+                    return
+                response = result.get_response()
+                if response.id != self.request_id:
+                    continue  # the stop request's own answer
+                outputs = {name: _scalar(result.as_numpy(name)) for name in OUTPUTS}
+                flag = response.parameters.get("triton_final_response")
+                final = (flag is not None and flag.bool_param) or outputs["finish_reason"] not in (None, "", "None")
+                self.incoming.put_nowait(outputs | {"final": final})
+                if final:
+                    return
+        except Exception as e:  # the stream broke: tritonserver went away
+            self.incoming.put_nowait(OpenAIError(f"the inference server is unreachable: {e}", 503, kind="server_error"))
+        finally:
+            self.done.set()
+            self.outgoing.put_nowait(None)
+
+    async def responses(self) -> AsyncIterator[dict[str, Any]]:
+        """Each response's outputs by name (with "final"); an OpenAIError for an error response."""
+        self.reader = asyncio.create_task(self._read())
+        while True:
+            item = await self.incoming.get()
+            if isinstance(item, OpenAIError):
+                raise item
+            yield item
+            if item["final"]:
+                return
+
+    async def stop(self) -> None:
+        """Have the server stop this request (its client went away)."""
+        if self.done.is_set():
+            return
+        self.outgoing.put_nowait(_request(f"{self.request_id}-stop", _tensors({"abort_request_id": self.request_id})))
+        try:
+            await asyncio.wait_for(self.done.wait(), STOP_WAIT_S)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if self.reader is not None:
+                self.reader.cancel()
+
+
+def _request(request_id: str, tensors: list) -> dict:
+    return {"model_name": TRITON_MODEL, "inputs": tensors, "request_id": request_id}
+
+
+def _tensors(values: dict[str, Any]) -> list:
+    tensors = []
+    types = INPUT_TYPES | {"abort_request_id": ("BYTES", np.object_)}
+    for name, value in values.items():
+        datatype, dtype = types[name]
+        if name == "stop":
+            array = np.array([s.encode("utf-8") for s in value], dtype=np.object_)
+        elif dtype is np.object_:
+            array = np.array([str(value).encode("utf-8")], dtype=np.object_)
+        else:
+            if isinstance(value, (str, list, dict)) or (dtype is not np.bool_ and isinstance(value, bool)):
+                raise OpenAIError(f"{name} must be a {datatype.lower()}", param=name)
+            try:
+                array = np.array([value], dtype=dtype)
+            except (ValueError, TypeError, OverflowError):
+                raise OpenAIError(f"{name} must be a {datatype.lower()}", param=name) from None
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+def _scalar(array) -> Any:
+    if array is None or array.size == 0:
+        return None
+    value = array.reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
+
+
+def _triton_error(message: str) -> OpenAIError:
+    message = message.split("] ", 1)[-1] if message.startswith("[request id") else message
+    message = message.split(", ", 1)[-1] if message.startswith("in ensemble") else message
+    if any(marker in message for marker in UNAVAILABLE):
+        return OpenAIError(message, 503, kind="server_error")
+    field, _, rest = message.partition(": ")
+    if rest and " " not in field:  # INVALID_ARG: "<input>: <what is allowed>"
+        return OpenAIError(message, 400, param=field)
+    return OpenAIError(message, 500, kind="server_error")
+
+
+class TritonClient:
+    """tritonclient's asyncio client, made on first use: inside the server's event loop."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.client: aio_grpcclient.InferenceServerClient | None = None
+
+    def get(self) -> aio_grpcclient.InferenceServerClient:
+        if self.client is None:
+            self.client = aio_grpcclient.InferenceServerClient(self.url)
+        return self.client
+
+
+def create_app(triton_url: str, served_model: str) -> FastAPI:
+    app = FastAPI(title="specserve OpenAI-compatible API")
+    triton = TritonClient(triton_url)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = await _ready(triton.get())
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served_model, "object": "model", "created": 0,
+                                            "owned_by": "specserve"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, triton.get(), served_model, "text_completion", completion_inputs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, triton.get(), served_model, "chat.completion", chat_inputs)
+
+    return app
+
+
+async def _ready(client) -> bool:
+    try:
+        return bool(await client.is_server_ready()) and bool(await client.is_model_ready(TRITON_MODEL))
+    except Exception:
+        return False
+
+
+async def _serve(request: Request, client, served_model: str, kind: str, parse) -> Any:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise OpenAIError("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise OpenAIError("the body must be a JSON object")
+    model = body.get("model")
+    if model not in (None, served_model):
+        raise OpenAIError(f"model {model!r} does not exist; this server serves {served_model!r}", 404,
+                          param="model", kind="not_found_error")
+    generation_request = parse(body)
+    inputs = request_inputs(**generation_request.inputs, stream=True, exclude_input_in_output=True,
+                            return_finish_reason=True, return_num_input_tokens=True,
+                            return_num_output_tokens=True, return_logprobs=generation_request.logprobs is not None,
+                            sampling_parameters=_logprobs_parameter(generation_request))
+    generation = TritonGeneration(client, inputs)
+    reply = Reply(kind, served_model, generation_request)
+    if generation_request.stream:
+        return StreamingResponse(_events(request, generation, reply), media_type="text/event-stream")
+    return JSONResponse(await _whole(request, generation, reply))
+
+
+def _logprobs_parameter(request: GenerationRequest) -> str | None:
+    return None if request.logprobs is None else json.dumps({"logprobs": request.logprobs})
+
+
+async def _whole(request: Request, generation: TritonGeneration, reply: Reply) -> dict:
+    """Gather the answer; stop it on the server if the client leaves first."""
+    gathered = Accumulator()
+    watcher = asyncio.create_task(_watch_disconnect(request, generation))
+    try:
+        async for outputs in generation.responses():
+            gathered.add(outputs)
+    finally:
+        watcher.cancel()
+    return reply.whole(gathered)
+
+
+async def _watch_disconnect(request: Request, generation: TritonGeneration) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)
+    await generation.stop()
+
+
+async def _events(request: Request, generation: TritonGeneration, reply: Reply) -> AsyncIterator[str]:
+    """Server-sent events; a client that goes away cancels this generator: the request is stopped."""
+    gathered = Accumulator()
+    try:
+        yield _event(reply.chunk(role=True))
+        async for outputs in generation.responses():
+            delta = gathered.add(outputs)
+            if delta.text or delta.finish_reason or delta.logprobs:
+                yield _event(reply.chunk(delta=delta, offset=len("".join(gathered.text)) - len(delta.text)))
+        if reply.request.include_usage:
+            yield _event(reply.usage_chunk(gathered))
+        yield "data: [DONE]\n\n"
+    except OpenAIError as error:
+        yield _event(error.body())
+    except (asyncio.CancelledError, GeneratorExit):
+        await asyncio.shield(generation.stop())
+        raise
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class Reply:
+    """The OpenAI objects of one request: whole completions, stream chunks, the usage chunk."""
+
+    def __init__(self, kind: str, model: str, request: GenerationRequest):
+        self.kind, self.model, self.request = kind, model, request
+        self.id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _base(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    def whole(self, gathered: Accumulator) -> dict:
+        text = "".join(gathered.text)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": gathered.finish_reason or "stop"}
+        if self.kind == "chat.completion":
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = self._chat_logprobs(gathered.logprobs)
+        else:
+            prefix = self.request.echo_prompt or ""
+            choice["text"] = prefix + text
+            choice["logprobs"] = self._completion_logprobs(gathered.logprobs, len(prefix))
+        return self._base(self.kind) | {"choices": [choice], "usage": gathered.usage()}
+
+    def chunk(self, delta=None, offset: int = 0, role: bool = False) -> dict:
+        text = "" if delta is None else delta.text
+        finish = None if delta is None else delta.finish_reason
+        logprobs = [] if delta is None else delta.logprobs
+        if self.kind == "chat.completion":
+            choice = {"index": 0, "delta": {"role": "assistant", "content": ""} if role else {"content": text},
+                      "logprobs": self._chat_logprobs(logprobs) if logprobs else None, "finish_reason": finish}
+            return self._base("chat.completion.chunk") | {"choices": [choice]}
+        if role:
+            text = self.request.echo_prompt or ""
+        choice = {"index": 0, "text": text, "finish_reason": finish,
+                  "logprobs": self._completion_logprobs(logprobs, offset) if logprobs else None}
+        return self._base("text_completion") | {"choices": [choice]}
+
+    def usage_chunk(self, gathered: Accumulator) -> dict:
+        object_name = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
+        return self._base(object_name) | {"choices": [], "usage": gathered.usage()}
+
+    def _chat_logprobs(self, entries: list[dict]) -> dict | None:
+        return None if self.request.logprobs is None else chat_logprobs(entries, self.request.logprobs)
+
+    def _completion_logprobs(self, entries: list[dict], offset: int) -> dict | None:
+        return None if self.request.logprobs is None else completion_logprobs(entries, self.request.logprobs, offset)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--triton", default="localhost:8001", help="tritonserver's gRPC address")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--served-model-name", default="specserve", help="the model name clients send")
+    args = p.parse_args()
+    uvicorn.run(create_app(args.triton, args.served_model_name), host=args.host, port=args.port,
+                log_level="warning", timeout_graceful_shutdown=2)
+
+
+if __name__ == "__main__":
+    main()
