@@ -181,12 +181,15 @@ def main() -> None:
     p.add_argument("--heldout", choices=("stdlib", "projects"), default="stdlib",
                    help="stdlib: held-out standard-library files; projects: held-out whole projects")
     p.add_argument("--seed", type=int, default=1234, help="the corpus split's seed (projects)")
+    p.add_argument("--corpus", choices=("stdlib", "projects"), default="stdlib",
+                   help="stdlib held-out files tokenized for the pair trained on this corpus")
     args = p.parse_args()
     torch.manual_seed(0)
     if args.heldout == "projects":
         print(evaluate_projects(args.models, args.seed, args.windows, args.seq_len, args.device))
     else:
-        print(evaluate(args.models, load_split("heldout"), args.windows, args.seq_len, args.device))
+        print(evaluate(args.models, load_split("heldout", cache_dir(args.corpus)), args.windows, args.seq_len,
+                       args.device))
 
 
 if __name__ == "__main__":
