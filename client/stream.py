@@ -48,6 +48,7 @@ INPUT_TYPES: dict[str, tuple[str, type]] = {
     "return_logprobs": ("BOOL", np.bool_),
     "return_cumulative_logprob": ("BOOL", np.bool_),
 }
+STOP_INPUT = {"abort_request_id": ("BYTES", np.object_)}  # a stop request's only input
 OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs", "cumulative_logprob")
 ENSEMBLE_ERROR_PREFIX = re.compile(r"^in ensemble '[^']*', ")
 STOP_WAIT_S = 2.0  # how long a stopped request is given to end before the stream closes
@@ -139,13 +140,7 @@ def _grpc_generate(url: str, model: str, values: dict, timeout: float | None) ->
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    inputs = []
-    for name, value in values.items():
-        datatype, dtype = INPUT_TYPES[name]
-        array = _array(name, value, dtype)
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+    inputs = grpc_inputs(values)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(url)
     request_id = uuid.uuid4().hex
@@ -177,12 +172,8 @@ def _grpc_generate(url: str, model: str, values: dict, timeout: float | None) ->
 def _grpc_stop(client, model: str, request_id: str, responses: queue.SimpleQueue) -> None:
     """Send the stop request on the stream, then wait (STOP_WAIT_S at most) for the stopped
     request's last response."""
-    import tritonclient.grpc as grpcclient
-
-    tensor = grpcclient.InferInput("abort_request_id", [1], "BYTES")
-    tensor.set_data_from_numpy(np.array([request_id.encode()], dtype=np.object_))
     try:
-        client.async_stream_infer(model, [tensor], request_id=f"{request_id}-stop", enable_empty_final_response=True)
+        client.async_stream_infer(model, grpc_inputs({"abort_request_id": request_id}), request_id=f"{request_id}-stop", enable_empty_final_response=True)
     except Exception:
         return  # the stream is gone: nothing more can be sent
     deadline = time.monotonic() + STOP_WAIT_S
@@ -196,6 +187,20 @@ def _grpc_stop(client, model: str, request_id: str, responses: queue.SimpleQueue
         response = result.get_response()
         if response.id == request_id and response.parameters["triton_final_response"].bool_param:
             return
+
+
+def grpc_inputs(values: dict[str, object]) -> list:
+    """tritonclient gRPC inputs for `llm`'s inputs by name (INPUT_TYPES, and abort_request_id)."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, value in values.items():
+        datatype, dtype = (INPUT_TYPES | STOP_INPUT)[name]
+        array = _array(name, value, dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
 
 
 def _array(name: str, value: object, dtype: type) -> np.ndarray:

@@ -336,18 +336,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--p2p-latency-us", type=float, default=8.0, help="fixed cost of a stage-boundary send")
     ap.add_argument("--ib-allreduce-latency-us", type=float, default=20.0,
                     help="fixed cost of an all-reduce that crosses nodes (TP=16)")
-    ap.add_argument("--hbm-efficiency", type=float, default=0.85, help="achieved fraction of 4.8 TB/s")
-    ap.add_argument("--flops-efficiency", type=float, default=0.7, help="achieved fraction of 989 TFLOP/s")
-    ap.add_argument("--nvlink-efficiency", type=float, default=0.8, help="achieved fraction of 450 GB/s per direction")
-    ap.add_argument("--allreduce-latency-us", type=float, default=8.0, help="fixed cost of an NVLink collective")
-    ap.add_argument("--usable-gib", type=float, default=139.0, help="GiB per GPU for weights + KV cache")
+    tpm.add_assumption_arguments(ap)
     return ap.parse_args()
 
 
 def main() -> int:
     args = parse_args()
-    a = Assumptions(args.hbm_efficiency, args.flops_efficiency, args.nvlink_efficiency,
-                    args.allreduce_latency_us, args.usable_gib)
+    a = tpm.assumptions_from(args)
     ib_bytes = args.ib_gbit / 8 * 1e9 * args.ib_efficiency
     cl = Cluster(H200,
                  Link("NVLink", tpm.bus_bytes_per_s(H200, a), args.p2p_latency_us * 1e-6),

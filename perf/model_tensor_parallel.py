@@ -265,13 +265,23 @@ def published_table(a: Assumptions) -> list[str]:
         "own GPU, TP, batch, weight precision and mean context (KV cache in bf16)."]
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_assumption_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options behind Assumptions (assumptions_from(args) reads them back)."""
     ap.add_argument("--hbm-efficiency", type=float, default=0.85, help="achieved fraction of 4.8 TB/s")
     ap.add_argument("--flops-efficiency", type=float, default=0.7, help="achieved fraction of 989 TFLOP/s")
     ap.add_argument("--nvlink-efficiency", type=float, default=0.8, help="achieved fraction of 450 GB/s per direction")
-    ap.add_argument("--allreduce-latency-us", type=float, default=8.0, help="fixed cost of each collective")
+    ap.add_argument("--allreduce-latency-us", type=float, default=8.0, help="fixed cost of each NVLink collective")
     ap.add_argument("--usable-gib", type=float, default=139.0, help="GiB per GPU for weights + KV cache")
+
+
+def assumptions_from(args: argparse.Namespace) -> Assumptions:
+    return Assumptions(args.hbm_efficiency, args.flops_efficiency, args.nvlink_efficiency,
+                       args.allreduce_latency_us, args.usable_gib)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_assumption_arguments(ap)
     ap.add_argument("--context", type=int, default=1024, help="tokens cached per sequence")
     ap.add_argument("--long-context", type=int, default=8192, help="second context for the batch-1 table")
     ap.add_argument("--batch", type=int, default=64, help="batch for the throughput table")
@@ -280,8 +290,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    a = Assumptions(args.hbm_efficiency, args.flops_efficiency, args.nvlink_efficiency,
-                    args.allreduce_latency_us, args.usable_gib)
+    a = assumptions_from(args)
     command = shlex.join(["python", "perf/model_tensor_parallel.py", *sys.argv[1:]])
     out = ["# Tensor-parallel decode on H200: a paper model", "", f"    {command}", "",
            f"HBM {H200.hbm_tb_s} TB/s x {a.hbm_efficiency}, BF16 {H200.bf16_tflops:.0f} TFLOP/s x "

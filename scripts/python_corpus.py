@@ -129,12 +129,13 @@ def split_projects(seed: int, stdlib_heldout: set[str], heldout_names: set[str] 
     did (its corpus.json), whatever has been installed since; None: draw them."""
     stdlib, *others = cleaned([stdlib_project(), *installed_projects()])
     rng = random.Random(seed)
-    total = sum(p.num_bytes for p in others)
+    size = {p.name: p.num_bytes for p in others}  # each project's bytes, counted once
+    total = sum(size.values())
     heldout: list[Project] = [p for p in others if heldout_names is not None and p.name in heldout_names]
     for project in rng.sample(others, len(others)) if heldout_names is None else []:
-        if sum(p.num_bytes for p in heldout) >= HELDOUT_PROJECT_FRACTION * total:
+        if sum(size[p.name] for p in heldout) >= HELDOUT_PROJECT_FRACTION * total:
             break
-        if project.num_bytes <= HELDOUT_PROJECT_FRACTION * total / 3:  # no giant eats the budget
+        if size[project.name] <= HELDOUT_PROJECT_FRACTION * total / 3:  # no giant eats the budget
             heldout.append(project)
     heldout_names = {p.name for p in heldout}
     training = [stdlib] + [p for p in others if p.name not in heldout_names]
@@ -153,7 +154,7 @@ def split_projects(seed: int, stdlib_heldout: set[str], heldout_names: set[str] 
         training_projects={p.name: p.version for p in training},
         heldout_projects={p.name: p.version for p in heldout},
         bytes={"train": sum(len(t.encode()) for t in splits["train"]),
-               "heldout_projects": sum(p.num_bytes for p in heldout)},
+               "heldout_projects": sum(size[p.name] for p in heldout)},
         heldout_stdlib_files=sorted(stdlib_out),
     )
     return splits, projects_out, meta

@@ -124,7 +124,7 @@ class TritonPythonModel:
         gpu_device_ids = parameters.pop("gpu_device_ids", "")
         parameters["device"] = instance_device(
             placement, parameters.get("device", "auto"), gpu_device_ids,
-            int(parameters.get("tensor_parallel_size", "1") or 1), _num_gpus(),
+            int(parameters.get("tensor_parallel_size", "1") or 1), torch.cuda.device_count(),
         )
         config = EngineConfig.from_strings(parameters)
         self.model_name = args["model_name"]
@@ -440,10 +440,6 @@ def _count(name: str, value: str) -> int:
     if count < 0:
         raise ValidationError(name, f"must be an integer >= 0, got {value!r}")
     return count
-
-
-def _num_gpus() -> int:
-    return torch.cuda.device_count()
 
 
 def _engine_parameters(model_config: dict, model_dir: Path) -> dict[str, str]:

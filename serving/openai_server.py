@@ -19,13 +19,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio_grpcclient
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from client.stream import INPUT_TYPES, OUTPUTS, request_inputs
+from client.stream import ENSEMBLE_ERROR_PREFIX, INPUT_TYPES, OUTPUTS, STOP_INPUT, grpc_inputs, request_inputs
 from serving.openai_protocol import (
     Accumulator,
     GenerationRequest,
@@ -109,25 +108,18 @@ def _request(request_id: str, tensors: list) -> dict:
 
 
 def _tensors(values: dict[str, Any]) -> list:
-    tensors = []
-    types = INPUT_TYPES | {"abort_request_id": ("BYTES", np.object_)}
+    """The gRPC inputs; a number input that is not one is a 400 naming it."""
     for name, value in values.items():
-        datatype, dtype = types[name]
-        if name == "stop":
-            array = np.array([s.encode("utf-8") for s in value], dtype=np.object_)
-        elif dtype is np.object_:
-            array = np.array([str(value).encode("utf-8")], dtype=np.object_)
-        else:
-            if isinstance(value, (str, list, dict)) or (dtype is not np.bool_ and isinstance(value, bool)):
-                raise OpenAIError(f"{name} must be a {datatype.lower()}", param=name)
-            try:
-                array = np.array([value], dtype=dtype)
-            except (ValueError, TypeError, OverflowError):
-                raise OpenAIError(f"{name} must be a {datatype.lower()}", param=name) from None
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    return tensors
+        datatype, dtype = (INPUT_TYPES | STOP_INPUT)[name]
+        if dtype is np.object_:
+            continue
+        if isinstance(value, (str, list, dict)) or (dtype is not np.bool_ and isinstance(value, bool)):
+            raise OpenAIError(f"{name} must be a {datatype.lower()}", param=name)
+        try:
+            np.array([value], dtype=dtype)
+        except (ValueError, TypeError, OverflowError):
+            raise OpenAIError(f"{name} must be a {datatype.lower()}", param=name) from None
+    return grpc_inputs(values)
 
 
 def _scalar(array) -> Any:
@@ -139,7 +131,7 @@ def _scalar(array) -> Any:
 
 def _triton_error(message: str) -> OpenAIError:
     message = message.split("] ", 1)[-1] if message.startswith("[request id") else message
-    message = message.split(", ", 1)[-1] if message.startswith("in ensemble") else message
+    message = ENSEMBLE_ERROR_PREFIX.sub("", message, count=1)
     if any(marker in message for marker in UNAVAILABLE):
         return OpenAIError(message, 503, kind="server_error")
     field, _, rest = message.partition(": ")
@@ -245,12 +237,14 @@ async def _watch_disconnect(request: Request, generation: TritonGeneration) -> N
 async def _events(request: Request, generation: TritonGeneration, reply: Reply) -> AsyncIterator[str]:
     """Server-sent events; a client that goes away cancels this generator: the request is stopped."""
     gathered = Accumulator()
+    offset = 0  # characters streamed so far (the logprobs' text_offset)
     try:
         yield _event(reply.chunk(role=True))
         async for outputs in generation.responses():
             delta = gathered.add(outputs)
             if delta.text or delta.finish_reason or delta.logprobs:
-                yield _event(reply.chunk(delta=delta, offset=len("".join(gathered.text)) - len(delta.text)))
+                yield _event(reply.chunk(delta=delta, offset=offset))
+            offset += len(delta.text)
         if reply.request.include_usage:
             yield _event(reply.usage_chunk(gathered))
         yield "data: [DONE]\n\n"

@@ -22,7 +22,7 @@ from backend.errors import INTERNAL_ERROR, ValidationError
 from serving.abort_channel import ENGINE_MODEL, abort_everywhere
 from serving import trtllm_inputs
 from serving.preprocessor import Preprocessor
-from serving.request_inputs import triton_parameters
+from serving.request_inputs import scalar_text, triton_parameters
 
 # llm_engine's inputs for a stop request that this model has delivered already
 DELIVERED_ABORT = {
@@ -69,7 +69,8 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
-        abort_request_id = _abort_request_id(inputs.pop("abort_request_id", None))
+        abort = inputs.pop("abort_request_id", None)
+        abort_request_id = "" if abort is None else scalar_text("abort_request_id", abort)
         options = {}
         if self.tensorrt_llm_inputs:
             inputs, options = trtllm_inputs.llm_inputs(inputs)
@@ -84,17 +85,3 @@ class TritonPythonModel:
             engine_inputs = preprocessed.engine_inputs() | {"abort_request_id": np.array([b""], dtype=np.object_)}
         outputs = [pb_utils.Tensor(n, a) for n, a in engine_inputs.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
-
-
-def _abort_request_id(value: np.ndarray | None) -> str:
-    """The id of a stop request ("" when there is none)."""
-    if value is None:
-        return ""
-    value = value.reshape(-1)
-    if value.size != 1:
-        raise ValidationError("abort_request_id", f"must hold one string, got {value.size}")
-    raw = value[0]
-    try:
-        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-    except UnicodeDecodeError:
-        raise ValidationError("abort_request_id", "is not valid UTF-8") from None

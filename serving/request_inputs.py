@@ -160,7 +160,7 @@ def _prompt(inputs: dict[str, np.ndarray], render_chat, max_prompt_bytes: int) -
         return prompt, True
     if not has_text:
         raise ValidationError("text_input", "required (or give messages, a JSON chat)")
-    text = _scalar_text("text_input", inputs["text_input"])
+    text = scalar_text("text_input", inputs["text_input"])
     _check_prompt_bytes("text_input", len(text.encode("utf-8")), max_prompt_bytes)
     if not text:
         raise ValidationError("text_input", "empty prompt")
@@ -245,7 +245,7 @@ def _coerce(name: str, value: Any) -> Any:
 
 def _load_json(name: str, array: np.ndarray, max_bytes: int) -> Any:
     """One JSON document of at most `max_bytes` bytes and MAX_JSON_DEPTH levels; None if blank."""
-    raw = _scalar_text(name, array, max_bytes)
+    raw = scalar_text(name, array, max_bytes)
     if not raw.strip():
         return None
     if _json_depth(raw) > MAX_JSON_DEPTH:
@@ -293,7 +293,7 @@ def _single_input(name: str, array: np.ndarray) -> Any:
     return _decode(name, value)
 
 
-def _scalar_text(name: str, array: np.ndarray, max_bytes: int | None = None) -> str:
+def scalar_text(name: str, array: np.ndarray, max_bytes: int | None = None) -> str:
     if array.size != 1:
         raise ValidationError(name, f"must hold one string, got shape {list(array.shape)}")
     value = array.reshape(-1)[0]
