@@ -1,4 +1,4 @@
-"""Starting the engine's helper processes: the engine core, tensor-parallel workers."""
+"""Starting the engine's helper processes: the engine core, worker ranks."""
 from __future__ import annotations
 
 import os
@@ -7,14 +7,12 @@ import sys
 import tempfile
 import uuid
 
-from backend.config import EngineConfig
 
-
-def start_module(module: str, config: EngineConfig, *args: str) -> subprocess.Popen:
-    """`python -m module --config JSON args...` on the Python the launcher names in SPECSERVE_PYTHON
-    (the Triton stub that hosts an engine is no Python executable), else on this one."""
+def start_module(module: str, *args: str) -> subprocess.Popen:
+    """`python -m module args...` on the Python the launcher names in SPECSERVE_PYTHON (the Triton
+    stub that hosts an engine is no Python executable), else on this one."""
     python = os.environ.get("SPECSERVE_PYTHON") or sys.executable
-    return subprocess.Popen([python, "-m", module, "--config", config.to_json(), *args])
+    return subprocess.Popen([python, "-m", module, *args])
 
 
 def unique_path(kind: str) -> str:

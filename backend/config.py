@@ -36,7 +36,11 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlap host work with the GPU; None: on CUDA without speculation
     num_threads: int = 0  # torch CPU threads for the engine; 0 keeps torch's default
     seed: int = 0
-    tensor_parallel_size: int = 1  # ranks sharing the target model (rank 0 is the engine; gloo on CPU)
+    tensor_parallel_size: int = 1  # ranks sharing each stage's layers (rank 0 is the engine; gloo on CPU)
+    pipeline_parallel_size: int = 1  # stages, each a contiguous run of the target's layers
+    max_batches_in_flight: int | None = None  # pipeline: batches in flight at once; None: one per stage
+    nnodes: int = 1  # nodes the ranks span; the others run `python -m backend.node` (torchrun's variables)
+    master_port: int = 0  # nnodes > 1: the port on this node where every rank meets (MASTER_PORT)
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -74,12 +78,34 @@ class EngineConfig:
             raise ValidationError("draft_model", "required when speculative_method is 'draft'")
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValidationError("tensor_parallel_size", f"must be in [1, 64], got {self.tensor_parallel_size}")
+        if not 1 <= self.pipeline_parallel_size <= 64:
+            raise ValidationError("pipeline_parallel_size", f"must be in [1, 64], got {self.pipeline_parallel_size}")
+        self._check_pipeline()
         if self.num_threads < 0:
             raise ValidationError("num_threads", f"must be >= 0, got {self.num_threads}")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValidationError(
                 "num_speculative_tokens", f"must be in [0, 16], got {self.num_speculative_tokens}"
             )
+
+    def _check_pipeline(self) -> None:
+        pp, world = self.pipeline_parallel_size, self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.max_batches_in_flight is None:
+            self.max_batches_in_flight = pp
+        if not 1 <= self.max_batches_in_flight <= pp:
+            raise ValidationError("max_batches_in_flight",
+                                  f"must be in [1, pipeline_parallel_size ({pp})], got {self.max_batches_in_flight}")
+        if pp > 1 and self.speculative_method != "none":
+            raise ValidationError("speculative_method", "must be 'none' with pipeline_parallel_size above 1 "
+                                  "(speculation does not run under pipeline parallelism yet)")
+        if pp > 1 and self.async_scheduling:
+            raise ValidationError("async_scheduling", "must be off with pipeline_parallel_size above 1 "
+                                  "(the pipeline overlaps its batches instead)")
+        if not 1 <= self.nnodes <= world or world % self.nnodes:
+            raise ValidationError("nnodes", f"must divide tensor_parallel_size x pipeline_parallel_size ({world}), "
+                                  f"got {self.nnodes}")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            raise ValidationError("master_port", f"must be in [1, 65535] when nnodes is above 1, got {self.master_port}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

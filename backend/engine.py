@@ -11,10 +11,16 @@ tokens. Step N+1 is scheduled as if every request of step N goes on: its input t
 token, copied on the device; a request that N finished (EOS, stop string) wastes one row of N+1,
 which is dropped; one that N takes to max_tokens is not scheduled again. Outputs come one step later.
 
+Pipeline parallelism: `step()` launches a batch into the pipeline and returns at once while fewer
+than `max_batches_in_flight` are in it; otherwise it waits for the oldest batch's logits and
+samples them. The batches hold different requests (the scheduler skips the ones in flight), so
+every stage has work while the others do.
+
 Not thread-safe: backend.engine_loop.EngineLoop drives it from one thread.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -43,8 +49,8 @@ from backend.proposer import PendingTokens, Proposer
 from backend.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
 from backend.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.speculator import Speculator
-from backend.tensor_parallel import TensorParallelRank
-from backend.tp_group import TensorParallelGroup, TensorParallelRunner
+from backend.pipeline_parallel import pipeline_stage
+from backend.worker_group import PipelineRunner, TensorParallelRunner, WorkerGroup
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
 
@@ -115,15 +121,21 @@ class LLMEngine:
                 "max_model_len",
                 f"must be <= the model's max_position_embeddings ({hf_config.max_position_embeddings})",
             )
-        self.tp: TensorParallelGroup | None = None  # ranks 1..N-1, when the model is sharded
-        rank = None
-        if config.tensor_parallel_size > 1:
-            if self.device.type != "cpu":  # the ranks would need NCCL and a device each
-                raise ValidationError("tensor_parallel_size", "above 1 runs on CPUs (gloo) only so far")
-            self.tp = TensorParallelGroup(config)
-            rank = TensorParallelRank(0, config.tensor_parallel_size, self.tp.all_reduce, self.tp.all_gather)
+        self.workers: WorkerGroup | None = None  # the other ranks, under tensor or pipeline parallelism
+        stage = None  # rank 0's pipeline stage, the first
+        if config.pipeline_parallel_size > 1:
+            try:
+                stage = pipeline_stage(hf_config.num_hidden_layers, 0, config.pipeline_parallel_size)
+            except ValueError as e:
+                raise ValidationError("pipeline_parallel_size", str(e)) from None
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(config, name) > 1 and self.device.type != "cpu":  # the ranks would need NCCL and a device each
+                raise ValidationError(name, "above 1 runs on CPUs (gloo) only so far")
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            self.workers = WorkerGroup(config)
         try:
-            model, _ = load_model(config.model, config.dtype, self.device, self.max_model_len, rank)
+            rank = self.workers.tensor_parallel if self.workers is not None else None
+            model, _ = load_model(config.model, config.dtype, self.device, self.max_model_len, rank, stage)
             self.model = model
             self._build(config, model, hf_config)
         except BaseException:
@@ -156,9 +168,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype)
-        if self.tp is not None:  # every rank's KV pool has the same blocks, of its own heads
-            self.tp.broadcast({"num_blocks": self.num_blocks})
-            self.runner = TensorParallelRunner(self.runner, self.tp)
+        if self.workers is not None:  # every rank's KV pool has the same blocks, of its own layers and heads
+            self.workers.setup(self.num_blocks, self.vocab_size)
+            pipelined = config.pipeline_parallel_size > 1
+            self.runner = (PipelineRunner if pipelined else TensorParallelRunner)(self.runner, self.workers)
+        self.batches_in_flight: collections.deque[ScheduledBatch] = collections.deque()  # pipeline, oldest first
         self.sampler = Sampler(config.seed)
         proposer: Proposer | None = None
         if self.draft_model is not None:
@@ -179,7 +193,7 @@ class LLMEngine:
         self.in_flight: InFlightStep | None = None  # overlapped steps: the one launched last
         self.launched: set[str] = set()  # request ids of the step launched last
         if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs \
-                and self.tp is None:  # tensor-parallel steps run eagerly for now
+                and self.workers is None:  # parallel steps run eagerly for now
             for runner in [self.runner] + ([proposer.runner] if proposer is not None and proposer.runner else []):
                 runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.requests: dict[str, Request] = {}  # request id -> everything about it, until its last output
@@ -190,9 +204,9 @@ class LLMEngine:
         self.peak_blocks_used = 0
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any."""
-        if self.tp is not None:
-            self.tp.close()
+        """Stop the worker ranks, if any."""
+        if self.workers is not None:
+            self.workers.close()
 
     # -- set-up ---------------------------------------------------------------------------------
     def _eos_token_ids(self, model_dir: str) -> frozenset[int]:
@@ -251,11 +265,13 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.batches_in_flight)
 
     # -- one iteration ----------------------------------------------------------------------------
     @torch.inference_mode()  # sampling changes the forward's logits in place
     def step(self) -> list[RequestOutput]:
+        if isinstance(self.runner, PipelineRunner):
+            return self._pipeline_step()
         started = time.perf_counter()
         batch, draft_probs = self._schedule()
         self.launched = {r.request_id for r in batch.requests}
@@ -272,6 +288,24 @@ class LLMEngine:
             self.speculator.observe_step(batch, lookahead, sum(len(o.token_ids) for o in outputs),
                                          time.perf_counter() - started)
         return outputs
+
+    def _pipeline_step(self) -> list[RequestOutput]:
+        """Launch a batch of requests not in flight (at most max_num_seqs / max_batches_in_flight
+        of them); once `max_batches_in_flight` batches are in flight (or nothing new could
+        start), sample the oldest batch's logits."""
+        busy = {r.request_id for b in self.batches_in_flight for r in b.requests}
+        in_flight = self.config.max_batches_in_flight
+        batch = self.scheduler.schedule(busy, max_requests=-(-self.config.max_num_seqs // in_flight))
+        if batch.requests:
+            self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
+            self.runner.launch(self.step_input(batch))
+            self.batches_in_flight.append(batch)
+        full = len(self.batches_in_flight) >= in_flight
+        if not self.batches_in_flight or (batch.requests and not full):
+            return []
+        logits = self.runner.collect()
+        self.in_flight = self._sample(self.batches_in_flight.popleft(), logits, {})
+        return self._read_back()
 
     def _schedule(self) -> tuple[ScheduledBatch, dict[str, torch.Tensor]]:
         """Choose k per request and reserve room for its drafts, schedule, then propose the

@@ -60,7 +60,7 @@ class EngineCoreClient:
         self._next_id = 0
         self._stopping = False
         self.dead = False
-        self.process = start_module("backend.engine_core", config, "--requests", f"ipc://{name}-requests",
+        self.process = start_module("backend.engine_core", "--config", config.to_json(), "--requests", f"ipc://{name}-requests",
                                     "--outputs", f"ipc://{name}-outputs", "--parent", str(os.getpid()))
         self.engine = self._wait_ready()
         self._receiver = threading.Thread(target=self._receive, name="specserve-core-receiver", daemon=True)

@@ -190,10 +190,19 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_logits] rows of the flat batch that need logits
-    ) -> torch.Tensor:  # [num_logits, vocab] float32
-        x, residual = self.model.embed_tokens(input_ids), None
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,  # 2 x [num_tokens, hidden]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_logits, vocab] float32
+        """The logits. A pipeline stage (backend/pipeline_parallel.py) runs some of the layers: a
+        stage after the first starts from `intermediate`, the previous stage's (x, residual), and
+        a stage before the last returns its own."""
+        if self.model.embed_tokens is not None:
+            x, residual = self.model.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, attn, meta)
+        if self.lm_head is None:
+            return x, residual
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()
 

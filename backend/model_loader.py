@@ -2,8 +2,9 @@
 
 Config through transformers (so every RoPE scaling variant it knows is computed the same way),
 weights through safetensors, straight into backend.model's modules (the names match HF's). The
-model is built on the meta device first; under tensor parallelism it is sharded there, and each
-weight's share is read out of the checkpoint on its own, so a rank never holds the whole model.
+model is built on the meta device first; under pipeline parallelism it is cut to one stage's
+layers there, under tensor parallelism sharded there, and each weight's share is read out of the
+checkpoint on its own, so a rank never holds the whole model.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from backend.errors import ValidationError
 from backend.model import PACKED_PROJECTIONS, LlamaForCausalLM, ModelArgs, RotaryEmbedding
+from backend.pipeline_parallel import PipelineStage, split_model, stage_parameter_name
 from backend.tensor_parallel import TensorParallelRank, checkpoint_slice, rank_share, shard_model
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -79,14 +81,17 @@ def _whole(name: str) -> tuple[slice, ...]:
 
 def load_model(
     model_dir: str | Path, dtype: str, device: torch.device, max_model_len: int,
-    tensor_parallel: TensorParallelRank | None = None,
+    tensor_parallel: TensorParallelRank | None = None, stage: PipelineStage | None = None,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
-    """The model, or with `tensor_parallel` one rank's shard of it."""
+    """The model; with `stage` only that pipeline stage's part of it; with `tensor_parallel` one
+    rank's shard of that."""
     config = load_hf_config(model_dir)
     args = model_args(config)
     inv_freq, scaling = rope_inverse_frequencies(config, args.head_dim)
     with torch.device("meta"):
         model = LlamaForCausalLM(args, RotaryEmbedding(inv_freq.to("meta"), scaling, 1))
+    if stage is not None:
+        split_model(model, stage)
     select: Selector = _whole
     if tensor_parallel is not None:
         share = rank_share(args, tensor_parallel.rank, tensor_parallel.world_size)
@@ -96,10 +101,15 @@ def load_model(
     rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
     for layer in model.model.layers:
         layer.self_attn.rotary = rotary
-    _load_weights(model, Path(model_dir), device, select)
-    if args.tie_word_embeddings:
+    _load_weights(model, Path(model_dir), device, select, stage)
+    if _shares_embeddings(model):
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval(), config
+
+
+def _shares_embeddings(model: LlamaForCausalLM) -> bool:
+    """lm_head is the embedding table itself (tied, and both on this pipeline stage)."""
+    return model.args.tie_word_embeddings and model.model.embed_tokens is not None and model.lm_head is not None
 
 
 def _parameter_for(model: LlamaForCausalLM, name: str) -> tuple[str, slice | None]:
@@ -114,7 +124,8 @@ def _parameter_for(model: LlamaForCausalLM, name: str) -> tuple[str, slice | Non
     return f"{parent}.{packed}.{kind}", module.shard_rows(shard)
 
 
-def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device, select: Selector) -> None:
+def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device, select: Selector,
+                  stage: PipelineStage | None) -> None:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValidationError("model", f"no *.safetensors weights in {model_dir}")
@@ -125,8 +136,11 @@ def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.args.tie_word_embeddings):
                     continue
+                local_name = name if stage is None else stage_parameter_name(name, stage, model.args.tie_word_embeddings)
+                if local_name is None:  # another pipeline stage's
+                    continue
                 try:
-                    param_name, rows = _parameter_for(model, name)
+                    param_name, rows = _parameter_for(model, local_name)
                 except AttributeError:  # no such module
                     param_name, rows = name, None
                 if param_name not in params:
@@ -146,7 +160,7 @@ def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device
                 with torch.no_grad():
                     target.copy_(tensor.to(device=device, dtype=target.dtype))
                 rows_left[param_name] -= target.shape[0]
-    if model.args.tie_word_embeddings:
+    if _shares_embeddings(model):
         rows_left.pop("lm_head.weight", None)
     missing = sorted(name for name, rows in rows_left.items() if rows)
     if missing:

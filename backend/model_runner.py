@@ -212,11 +212,14 @@ class ModelRunner:
         input_ids.index_copy_(0, index[0], step.device_tokens.index_select(0, index[1]))
 
     @torch.inference_mode()
-    def run(self, step: StepInput) -> torch.Tensor:  # [sum(num_logits), vocab] float32
+    def run(self, step: StepInput, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [sum(num_logits), vocab] float32
+        """The step's logits; on a pipeline stage before the last, its (x, residual) for the next
+        stage, which passes them in as `intermediate`."""
         if self.graphs:
             logits = self._replay(step)
             if logits is not None:
                 return logits
         input_ids, positions, meta, logits_indices = self.prepare(step)
         self._fill_from_device(input_ids, step)
-        return self.model(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices)
+        return self.model(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices, intermediate)

@@ -1,7 +1,7 @@
 """What the engine hands back per request per iteration."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)

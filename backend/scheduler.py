@@ -6,11 +6,17 @@ request's input may be a token sampled last step and still on the device); waiti
 with whatever budget, sequence slots and blocks are left (chunked prefill). A running request that
 cannot get a block preempts the newest running request: its blocks are freed and it goes back to
 the head of the waiting queue to be recomputed later. Nothing is ever dropped.
+
+Under pipeline parallelism several batches are in flight at once: a request in one of them
+(`busy`) is neither scheduled again nor preempted until its batch's tokens are back, and a batch
+takes at most `max_requests` of the running requests, so that they split into as many batches as
+the pipeline holds.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from backend.block_manager import BlockManager
@@ -46,19 +52,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, busy: Container[str] = (), max_requests: int | None = None) -> ScheduledBatch:
+        """This step's batch; `busy`: ids of requests in a batch still in flight."""
         budget = self.max_num_batched_tokens
+        room = max_requests or self.max_num_seqs  # requests this batch may still take
         batch = ScheduledBatch([], [])
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(batch) < room:
             request = self.running[i]
-            if request.length_done_once_pending_land:
+            if request.length_done_once_pending_land or request.request_id in busy:
                 i += 1
                 continue
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             while not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
-                victim = self.running[-1]
+                victim = next(r for r in reversed(self.running) if r.request_id not in busy)  # request at worst
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is request:
@@ -70,7 +78,8 @@ class Scheduler:
                 i += 1
 
         # admit waiting requests, unless this step already had to preempt
-        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs
+               and len(batch) < room):
             request = self.waiting[0]
             if request.num_pending_tokens:  # preempted with a token still on the device: next step
                 break

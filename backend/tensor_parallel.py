@@ -170,12 +170,14 @@ def shard_model(model: LlamaForCausalLM, tp: TensorParallelRank) -> None:
     the meta device (shapes only), then reads each weight's share (checkpoint_slice)."""
     args = model.args
     share = rank_share(args, tp.rank, tp.world_size)
-    embedding = model.model.embed_tokens.weight.data
-    head = model.lm_head.weight.data  # the same tensor when the embeddings are tied
-    model.model.embed_tokens = VocabParallelEmbedding(embedding, share.vocab.start, share.vocab.stop, tp.all_reduce)
-    model.lm_head = ParallelLMHead(head, share.vocab.start, share.vocab.stop, share.vocab_rows_per_rank,
-                                   args.vocab_size, tp.all_gather)
-    if args.tie_word_embeddings:  # one copy of the shared rows
+    embedding, head = model.model.embed_tokens, model.lm_head  # None on a pipeline stage without them
+    if embedding is not None:
+        model.model.embed_tokens = VocabParallelEmbedding(embedding.weight.data, share.vocab.start, share.vocab.stop,
+                                                          tp.all_reduce)
+    if head is not None:
+        model.lm_head = ParallelLMHead(head.weight.data, share.vocab.start, share.vocab.stop,
+                                       share.vocab_rows_per_rank, args.vocab_size, tp.all_gather)
+    if args.tie_word_embeddings and embedding is not None and head is not None:  # one copy of the shared rows
         model.lm_head.weight = model.model.embed_tokens.weight
     d, q_heads, kv_heads = args.head_dim, len(share.heads.q_heads), len(share.heads.kv_heads)
     k_start = args.num_heads * d

@@ -42,14 +42,20 @@ def run(config: EngineConfig, workload) -> tuple[float, float, list[list[int]]]:
     """tok/s, the share of the wall time in communication (rank 0), and the outputs."""
     engine = LLMEngine(config)
     comm = Timer()
-    if engine.tp is not None:
-        engine.tp.broadcast = comm.wrap(engine.tp.broadcast)
+    if engine.workers is not None:
+        engine.workers.broadcast = comm.wrap(engine.workers.broadcast)
         embed, head = engine.model.model.embed_tokens, engine.model.lm_head
         embed.all_reduce, head.all_gather = comm.wrap(embed.all_reduce), comm.wrap(head.all_gather)
         for layer in engine.model.model.layers:  # the hooks hold the all-reduce they were given
             for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 for key, hook in list(module._forward_hooks.items()):
                     module._forward_hooks[key] = comm.wrap(hook)
+    wall, outputs = greedy_run(engine, workload)
+    return workload.useful_tokens / wall, comm.seconds / wall, outputs
+
+
+def greedy_run(engine: LLMEngine, workload) -> tuple[float, list[list[int]]]:
+    """Every request of the workload at once, greedy: the wall time and the outputs. Closes the engine."""
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
            for p, m in zip(workload.prompts, workload.max_tokens)]
     outputs = {i: [] for i in ids}
@@ -59,7 +65,7 @@ def run(config: EngineConfig, workload) -> tuple[float, float, list[list[int]]]:
             outputs[out.request_id] += out.token_ids
     wall = time.perf_counter() - started
     engine.close()
-    return workload.useful_tokens / wall, comm.seconds / wall, [outputs[i] for i in ids]
+    return wall, [outputs[i] for i in ids]
 
 
 def main() -> None:

@@ -46,7 +46,6 @@ Assumptions (the ones with a default are command-line options):
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 from dataclasses import dataclass, replace

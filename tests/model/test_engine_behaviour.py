@@ -95,7 +95,7 @@ def test_bad_requests_raise_and_engine_keeps_serving(engine, prompt, kwargs, fie
 
 
 def test_logprobs_returned_per_token(engine):
-    rid = engine.add_request([5, 6], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3))
+    engine.add_request([5, 6], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3))
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()

@@ -22,7 +22,7 @@ from backend.model_loader import load_model
 from backend.model_runner import ModelRunner, StepInput
 from backend.sampling_params import SamplingParams
 from backend.tensor_parallel import HeadShard, TensorParallelRank, head_shard, shard_model
-from backend.tp_group import all_gather
+from backend.distributed import all_gather
 from tests.conftest import TINY_VOCAB, write_tiny_model
 from tests.model.test_engine_core import Collector
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
@@ -151,7 +151,7 @@ def test_engine_outputs_equal_tp1(tiny_llama, world_size):
         assert run_engine(engine, [prompts[0]], [16]) == [hf_greedy(tiny_llama, prompts[0], 16)]
     finally:
         engine.close()
-    assert all(w.poll() is not None for w in engine.tp.workers)
+    assert all(w.poll() is not None for w in engine.workers.workers)
 
 
 def test_speculation_under_tp2_is_greedy_identical(tiny_llama):
@@ -174,7 +174,7 @@ def test_a_dead_worker_ends_every_request(tiny_llama):
     for i in range(3):
         loop.submit([5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), collector)
     time.sleep(0.5)
-    loop.engine.tp.workers[0].send_signal(signal.SIGKILL)
+    loop.engine.workers.workers[0].send_signal(signal.SIGKILL)
     started = time.monotonic()
     assert collector.done.wait(10) and time.monotonic() - started < 10
     assert {o.error for o in collector.final.values()} == {ENGINE_DEAD}

@@ -82,6 +82,14 @@ def model_ready(server: Server, model: str) -> bool:
         return False
 
 
+def wait_until_unloaded(server: Server, model: str, timeout: float = 30.0) -> None:
+    """A model whose engine failed unloads itself: wait for it to report not ready."""
+    deadline = time.monotonic() + timeout
+    while model_ready(server, model) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not model_ready(server, model)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from client.stream import GenerationError, complete
-from tests.server.conftest import FAULT_SEED, model_ready, start_test_server
+from tests.server.conftest import FAULT_SEED, start_test_server, wait_until_unloaded
 
 pytestmark = pytest.mark.server
 
@@ -61,10 +61,7 @@ def test_streams_equal_the_in_process_engine(core_server, server):
 def test_a_killed_core_ends_streams_with_an_error_and_leaves_no_process(core_server):
     (core,) = _cores(core_server)
     _kill_mid_stream(core_server, core)
-    deadline = time.monotonic() + 30  # llm_engine unloads itself
-    while model_ready(core_server, "llm_engine") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not model_ready(core_server, "llm_engine")
+    wait_until_unloaded(core_server, "llm_engine")
     assert core_server.handle.process.poll() is None  # the server lives on
     assert not _cores(core_server)
 
@@ -88,7 +85,7 @@ def test_a_killed_server_leaves_no_core(tmp_path):
 
 def _workers(server) -> list[psutil.Process]:
     tritonserver = psutil.Process(server.handle.process.pid)
-    return [p for p in tritonserver.children(recursive=True) if "backend.tp_worker" in " ".join(p.cmdline())]
+    return [p for p in tritonserver.children(recursive=True) if "backend.worker" in " ".join(p.cmdline())]
 
 
 def test_tensor_parallel_streams_equal_tp1_and_a_killed_worker_ends_them(tmp_path, server):
