@@ -95,9 +95,6 @@ class EngineConfig:
         if not 1 <= self.max_batches_in_flight <= pp:
             raise ValidationError("max_batches_in_flight",
                                   f"must be in [1, pipeline_parallel_size ({pp})], got {self.max_batches_in_flight}")
-        if pp > 1 and self.speculative_method != "none":
-            raise ValidationError("speculative_method", "must be 'none' with pipeline_parallel_size above 1 "
-                                  "(speculation does not run under pipeline parallelism yet)")
         if pp > 1 and self.async_scheduling:
             raise ValidationError("async_scheduling", "must be off with pipeline_parallel_size above 1 "
                                   "(the pipeline overlaps its batches instead)")

@@ -172,7 +172,8 @@ class LLMEngine:
             self.workers.setup(self.num_blocks, self.vocab_size)
             pipelined = config.pipeline_parallel_size > 1
             self.runner = (PipelineRunner if pipelined else TensorParallelRunner)(self.runner, self.workers)
-        self.batches_in_flight: collections.deque[ScheduledBatch] = collections.deque()  # pipeline, oldest first
+        # pipeline parallelism: the batches launched and not sampled yet, with their draft distributions
+        self.batches_in_flight: collections.deque[tuple[ScheduledBatch, dict]] = collections.deque()
         self.sampler = Sampler(config.seed)
         proposer: Proposer | None = None
         if self.draft_model is not None:
@@ -184,10 +185,11 @@ class LLMEngine:
             proposer = NgramProposer()
         # overlapped steps: on CUDA by default, without speculation (speculation with them runs its
         # verification steps eagerly for now); asked for, with either. Adaptive k measures plain
-        # steps (a step's time and its tokens), so with overlapped steps k is fixed
+        # steps (a step's time and its tokens), so with overlapped steps, and under pipeline
+        # parallelism (a step's forward spans the stages), k is fixed
         self.overlap = config.async_scheduling if config.async_scheduling is not None else (
-            self.device.type == "cuda" and proposer is None)
-        adaptive = config.adaptive_speculation and not self.overlap
+            self.device.type == "cuda" and proposer is None and config.pipeline_parallel_size == 1)
+        adaptive = config.adaptive_speculation and not self.overlap and config.pipeline_parallel_size == 1
         self.speculator = Speculator(proposer, config.num_speculative_tokens, adaptive, self.device,
                                      draft_budget=config.max_num_batched_tokens)
         self.in_flight: InFlightStep | None = None  # overlapped steps: the one launched last
@@ -291,34 +293,37 @@ class LLMEngine:
 
     def _pipeline_step(self) -> list[RequestOutput]:
         """Launch a batch of requests not in flight (at most max_num_seqs / max_batches_in_flight
-        of them); once `max_batches_in_flight` batches are in flight (or nothing new could
-        start), sample the oldest batch's logits."""
-        busy = {r.request_id for b in self.batches_in_flight for r in b.requests}
+        of them, with their drafts); once `max_batches_in_flight` batches are in flight (or nothing
+        new could start), sample (and verify) the oldest batch's logits."""
+        busy = {r.request_id for batch, _ in self.batches_in_flight for r in batch.requests}
         in_flight = self.config.max_batches_in_flight
-        batch = self.scheduler.schedule(busy, max_requests=-(-self.config.max_num_seqs // in_flight))
+        batch, draft_probs = self._schedule(busy, max_requests=-(-self.config.max_num_seqs // in_flight))
         if batch.requests:
-            self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
             self.runner.launch(self.step_input(batch))
-            self.batches_in_flight.append(batch)
+            self.batches_in_flight.append((batch, draft_probs))
         full = len(self.batches_in_flight) >= in_flight
         if not self.batches_in_flight or (batch.requests and not full):
             return []
         logits = self.runner.collect()
-        self.in_flight = self._sample(self.batches_in_flight.popleft(), logits, {})
+        batch, draft_probs = self.batches_in_flight.popleft()
+        self.in_flight = self._sample(batch, logits, draft_probs)
         return self._read_back()
 
-    def _schedule(self) -> tuple[ScheduledBatch, dict[str, torch.Tensor]]:
+    def _schedule(self, busy: set[str] = frozenset(), max_requests: int | None = None
+                  ) -> tuple[ScheduledBatch, dict[str, torch.Tensor]]:
         """Choose k per request and reserve room for its drafts, schedule, then propose the
-        drafts the budget granted. Returns the batch and the draft distributions by request id."""
-        self.speculator.reserve(self.scheduler.running, self.max_model_len)
-        batch = self.scheduler.schedule()
+        drafts the budget granted. Returns the batch and the draft distributions by request id.
+        `busy`: requests in a pipeline batch still in flight, left alone."""
+        idle = [r for r in self.scheduler.running if r.request_id not in busy]
+        self.speculator.reserve(idle, self.max_model_len)
+        batch = self.scheduler.schedule(busy, max_requests)
         for request in batch.preempted:  # its draft KV went with its blocks
             request.spec.drop_drafts()
         if not batch.requests:
             return batch, {}
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
         pending = self.in_flight.pending if self.in_flight is not None else None
-        return batch, self.speculator.propose(batch, self.scheduler.running, pending)
+        return batch, self.speculator.propose(batch, idle, pending)
 
     @staticmethod
     def step_input(batch: ScheduledBatch, in_flight: InFlightStep | None = None) -> StepInput:

@@ -1,6 +1,6 @@
 """Pipeline parallelism: stages that each hold a run of the layers compute the whole model's
 logits; the engine with pipeline_parallel_size 2 (and 2 x 2 with tensor parallelism) gives one
-rank's tokens, with several batches in flight, preemption and prefix caching; a second "node"
+rank's tokens, with several batches in flight, preemption, prefix caching and speculation; a second "node"
 started by its own command joins on loopback; a dead stage or node ends every request."""
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def _step_all(engine: LLMEngine, prompts, max_tokens) -> tuple[list[list[int]], 
 
     def checked_collect():
         nonlocal full
-        in_flight = [r.request_id for batch in engine.batches_in_flight for r in batch.requests]
+        in_flight = [r.request_id for batch, _ in engine.batches_in_flight for r in batch.requests]
         assert len(in_flight) == len(set(in_flight))
         full += len(engine.batches_in_flight) == engine.config.max_batches_in_flight
         return collect()
@@ -136,12 +136,28 @@ def test_preemption_and_prefix_caching_under_pp(four_layers, expected):
         assert full > 0
 
 
+def test_speculation_under_pp(four_layers, expected):
+    """A draft model on rank 0 proposes for each batch as it is launched; the last stage's logits
+    verify them. Greedy tokens stay one rank's without speculation, drafts are accepted, and
+    seeded sampling equals one rank's with the same fixed k (adaptive k is off under PP)."""
+    prompts, max_tokens, greedy, _ = expected
+    spec = dict(model=str(four_layers), speculative_method="draft", draft_model=str(four_layers),
+                num_speculative_tokens=3, max_num_seqs=6)
+    seeded = _seeded(LLMEngine(EngineConfig(**spec, adaptive_speculation=False)), prompts[:6])
+    engine = LLMEngine(EngineConfig(**spec, pipeline_parallel_size=2))
+    try:
+        tokens, full = _step_all(engine, prompts, max_tokens)
+        assert tokens == greedy and full > 0
+        assert engine.stats().spec_accepted_tokens_total > 0
+        assert _seeded(engine, prompts[:6]) == seeded
+    finally:
+        engine.close()
+
+
 def test_pipeline_configs_that_cannot_run_are_refused(four_layers):
     def config(**kw):
         return EngineConfig(model=str(four_layers), pipeline_parallel_size=2, **kw)
 
-    with pytest.raises(ValidationError, match="speculative_method: must be 'none' with pipeline_parallel_size"):
-        config(speculative_method="ngram")
     with pytest.raises(ValidationError, match="async_scheduling: must be off"):
         config(async_scheduling=True)
     with pytest.raises(ValidationError, match=r"max_batches_in_flight: must be in \[1, pipeline_parallel_size \(2\)\]"):
