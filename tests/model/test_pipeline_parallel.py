@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -214,10 +215,15 @@ def test_a_second_node_serves_its_stage_and_its_death_ends_every_request(four_la
     every request with the engine's error within seconds."""
     prompts, max_tokens, greedy, _ = expected
     port = _free_port()
-    node = start_node(port, 4, 2, 1)
+    config = EngineConfig(model=str(four_layers), tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2,
+                          master_port=port)
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(LLMEngine, config)  # the first node waits for the second
+        time.sleep(1.0)
+        assert not starting.done()
+        node = start_node(port, 4, 2, 1)
     try:
-        engine = LLMEngine(EngineConfig(model=str(four_layers), tensor_parallel_size=2, pipeline_parallel_size=2,
-                                        nnodes=2, master_port=port))
+        engine = starting.result()
         assert len(engine.workers.workers) == 1  # this node's other rank; the node runs ranks 2 and 3
         assert run_engine(engine, prompts, max_tokens) == greedy
         loop = EngineLoop(engine)
