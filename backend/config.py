@@ -39,6 +39,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks sharing each stage's layers (rank 0 is the engine; gloo on CPU)
     pipeline_parallel_size: int = 1  # stages, each a contiguous run of the target's layers
     max_batches_in_flight: int | None = None  # pipeline: batches in flight at once; None: one per stage
+    pipeline_layer_partition: str = ""  # layers per stage, "5,4"; empty: as even as possible
     nnodes: int = 1  # nodes the ranks span; the others run `python -m backend.node` (torchrun's variables)
     master_port: int = 0  # nnodes > 1: the port on this node where every rank meets (MASTER_PORT)
 
@@ -95,6 +96,14 @@ class EngineConfig:
         if not 1 <= self.max_batches_in_flight <= pp:
             raise ValidationError("max_batches_in_flight",
                                   f"must be in [1, pipeline_parallel_size ({pp})], got {self.max_batches_in_flight}")
+        if self.pipeline_layer_partition:
+            try:
+                sizes = [int(n) for n in self.pipeline_layer_partition.split(",")]
+            except ValueError:
+                sizes = []
+            if len(sizes) != pp:
+                raise ValidationError("pipeline_layer_partition", f"must be {pp} comma-separated layer counts, "
+                                      f"one per stage, got {self.pipeline_layer_partition!r}")
         if pp > 1 and self.async_scheduling:
             raise ValidationError("async_scheduling", "must be off with pipeline_parallel_size above 1 "
                                   "(the pipeline overlaps its batches instead)")

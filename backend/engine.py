@@ -125,9 +125,11 @@ class LLMEngine:
         stage = None  # rank 0's pipeline stage, the first
         if config.pipeline_parallel_size > 1:
             try:
-                stage = pipeline_stage(hf_config.num_hidden_layers, 0, config.pipeline_parallel_size)
+                stage = pipeline_stage(hf_config.num_hidden_layers, 0, config.pipeline_parallel_size,
+                                       config.pipeline_layer_partition)
             except ValueError as e:
-                raise ValidationError("pipeline_parallel_size", str(e)) from None
+                name = "pipeline_layer_partition" if config.pipeline_layer_partition else "pipeline_parallel_size"
+                raise ValidationError(name, str(e)) from None
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(config, name) > 1 and self.device.type != "cpu":  # the ranks would need NCCL and a device each
                 raise ValidationError(name, "above 1 runs on CPUs (gloo) only so far")

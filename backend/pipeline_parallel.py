@@ -36,9 +36,18 @@ class PipelineStage:
         return self.stage == self.num_stages - 1
 
 
-def pipeline_stage(num_layers: int, stage: int, num_stages: int) -> PipelineStage:
-    """Stage `stage`'s layers: num_layers split as evenly as possible, the earlier stages taking
-    one more when it does not divide (the last stage also runs the norm and lm_head)."""
+def pipeline_stage(num_layers: int, stage: int, num_stages: int, partition: str = "") -> PipelineStage:
+    """Stage `stage`'s layers: `partition` ("5,4": layers per stage, vLLM's VLLM_PP_LAYER_PARTITION),
+    or num_layers split as evenly as possible, the earlier stages taking one more when it does not
+    divide. The last stage also runs the norm and lm_head: with a large vocabulary, a partition that
+    gives it fewer layers balances the stages."""
+    if partition:
+        sizes = [int(n) for n in partition.split(",")]
+        if len(sizes) != num_stages or sum(sizes) != num_layers or min(sizes) < 1:
+            raise ValueError(f"pipeline_layer_partition {partition!r} must give each of the {num_stages} stages "
+                             f"at least one layer, {num_layers} layers in all")
+        start = sum(sizes[:stage])
+        return PipelineStage(stage, num_stages, range(start, start + sizes[stage]))
     if num_layers < num_stages:
         raise ValueError(f"pipeline_parallel_size {num_stages} exceeds the model's {num_layers} layers")
     size, extra = divmod(num_layers, num_stages)

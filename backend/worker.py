@@ -42,7 +42,8 @@ def run_rank(groups: RankGroups, config: EngineConfig) -> list[tuple[float, floa
     dtype = TORCH_DTYPES[config.dtype]
     hf_config = load_hf_config(config.model)
     max_model_len = config.max_model_len or hf_config.max_position_embeddings
-    stage = pipeline_stage(hf_config.num_hidden_layers, groups.stage, groups.num_stages)
+    stage = pipeline_stage(hf_config.num_hidden_layers, groups.stage, groups.num_stages,
+                           config.pipeline_layer_partition)
     model, _ = load_model(config.model, config.dtype, device, max_model_len, groups.tensor_parallel(), stage)
     attention = make_attention_backend(config.attention_backend, device)
     model.use_triton_kernels(attention.name == "triton")

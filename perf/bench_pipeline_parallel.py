@@ -14,6 +14,7 @@ work (scheduling, sampling), which the pipeline does not hide.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -67,28 +68,31 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layer-partition", default="", help='a last row with these layers per stage, e.g. "6,4"')
     args = ap.parse_args()
     pp = args.pipeline_parallel_size
+    runs = [(1, 1, ""), (pp, 1, ""), (pp, pp, "")] + ([(pp, pp, args.layer_partition)] if args.layer_partition else [])
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_llama(Path(tmp), args)
         workload = make_workload(args.num_requests, args.vocab, args, args.seed)
         rows = []
-        for stages, in_flight in ((1, 1), (pp, 1), (pp, pp)):
+        for stages, in_flight, partition in runs:
             config = EngineConfig(model=str(model_dir), num_threads=args.threads, max_num_seqs=args.max_num_seqs,
-                                  pipeline_parallel_size=stages, max_batches_in_flight=in_flight)
-            rows.append((stages, in_flight, *run(config, workload)))
+                                  pipeline_parallel_size=stages, max_batches_in_flight=in_flight,
+                                  pipeline_layer_partition=partition)
+            rows.append((stages, in_flight, partition or "even", *run(config, workload)))
     base = rows[0]
     print(f"random Llama: hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}, "
           f"vocab {args.vocab}; {args.num_requests} requests, {workload.useful_tokens} tokens, greedy; "
           f"{args.threads} thread(s) per rank, max_num_seqs {args.max_num_seqs}")
-    print("| pipeline_parallel_size | batches in flight | tok/s | vs PP=1 | idle share per stage (0, 1, ...) "
-          "| mean idle share | outputs = PP=1 |")
-    print("|---:|---:|---:|---:|---|---:|---|")
-    for stages, in_flight, tok_s, ranks, outputs in rows:
+    print("| pipeline_parallel_size | batches in flight | layers per stage | tok/s | vs PP=1 "
+          "| median forward ms per stage (0, 1, ...) | idle share per stage | mean idle share | outputs = PP=1 |")
+    print("|---:|---:|---|---:|---:|---|---|---:|---|")
+    for stages, in_flight, partition, tok_s, ranks, outputs in rows:
         idle = idle_shares(ranks)
-        shares = ", ".join(f"{x:.0%}" for x in idle)
-        print(f"| {stages} | {in_flight} | {tok_s:.1f} | {tok_s / base[2]:.2f}x | {shares} | "
-              f"{sum(idle) / len(idle):.0%} | {outputs == base[4]} |")
+        forward = ", ".join(f"{statistics.median(b - a for a, b in r) * 1000:.1f}" for r in ranks)
+        print(f"| {stages} | {in_flight} | {partition} | {tok_s:.1f} | {tok_s / base[3]:.2f}x | {forward} | "
+              f"{', '.join(f'{x:.0%}' for x in idle)} | {sum(idle) / len(idle):.0%} | {outputs == base[5]} |")
 
 
 if __name__ == "__main__":

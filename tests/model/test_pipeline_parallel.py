@@ -50,6 +50,11 @@ def test_stage_layers():
     assert pipeline_stage(6, 2, 3).is_last and not pipeline_stage(6, 1, 3).is_first
     with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
         pipeline_stage(2, 0, 3)
+    assert [pipeline_stage(9, s, 2, "5,4").layers for s in range(2)] == [range(0, 5), range(5, 9)]
+    assert [pipeline_stage(4, s, 3, "1,1,2").layers for s in range(3)] == [range(0, 1), range(1, 2), range(2, 4)]
+    for partition in ("5,3", "9,0"):
+        with pytest.raises(ValueError, match="must give each of the 2 stages at least one layer, 9 layers in all"):
+            pipeline_stage(9, 0, 2, partition)
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])
@@ -118,14 +123,16 @@ def test_engine_outputs_equal_one_rank(four_layers, expected, tensor_parallel_si
 
 def test_preemption_and_prefix_caching_under_pp(four_layers, expected):
     """A KV pool too small for the batch preempts (never a request in flight), prompts that share
-    a prefix hit the cache, and the tokens stay one rank's; one batch in flight gives them too."""
+    a prefix hit the cache, and the tokens stay one rank's; so do one batch in flight and stages
+    of 3 and 1 layers."""
     prompts, max_tokens, _, _ = expected
     shared = [7, 7, 8, 9] * 8  # two full blocks of 16
     prompts = [shared + p[:10] for p in prompts]
     config = dict(model=str(four_layers), num_kv_blocks=12, max_num_seqs=8)
     want = run_engine(LLMEngine(EngineConfig(**config)), prompts, max_tokens)
-    for in_flight in (2, 1):
-        engine = LLMEngine(EngineConfig(**config, pipeline_parallel_size=2, max_batches_in_flight=in_flight))
+    for in_flight, partition in ((2, ""), (1, "3,1")):
+        engine = LLMEngine(EngineConfig(**config, pipeline_parallel_size=2, max_batches_in_flight=in_flight,
+                                        pipeline_layer_partition=partition))
         try:
             tokens, full = _step_all(engine, prompts, max_tokens)
             stats = engine.stats()
@@ -169,6 +176,10 @@ def test_pipeline_configs_that_cannot_run_are_refused(four_layers):
         config(nnodes=2)
     with pytest.raises(ValidationError, match="pipeline_parallel_size: pipeline_parallel_size 8 exceeds"):
         LLMEngine(EngineConfig(model=str(four_layers), pipeline_parallel_size=8))
+    with pytest.raises(ValidationError, match="pipeline_layer_partition: must be 2 comma-separated layer counts"):
+        config(pipeline_layer_partition="4")
+    with pytest.raises(ValidationError, match="pipeline_layer_partition: pipeline_layer_partition '3,2' must give"):
+        LLMEngine(config(pipeline_layer_partition="3,2"))
 
 
 def _submit(loop: EngineLoop, n: int) -> Collector:
