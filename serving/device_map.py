@@ -7,6 +7,7 @@
   present. Use it with KIND_MODEL (or KIND_CPU, which only says where Triton runs the instance).
 - Otherwise the `device` parameter as it is. Several instances on CUDA without a map would all
   land on GPU 0, so that is refused.
+- Ranks across nodes (`nnodes` above 1) meet at one port, with one set of nodes: one instance.
 
 The instance's index is the `_N` suffix Triton gives its name, counted over the instance groups
 in order.
@@ -69,6 +70,12 @@ def instance_device(placement: InstancePlacement, device: str, gpu_device_ids: s
         return device
     _check_groups(groups, placement.count, tensor_parallel_size, num_gpus)
     return f"cuda:{groups[placement.index][0]}"
+
+
+def check_nodes(placement: InstancePlacement, nnodes: int) -> None:
+    if nnodes > 1 and placement.count > 1:
+        raise ValidationError("nnodes", f"above 1 needs one instance (instance_group has {placement.count}): "
+                              "the instances would share master_port and the other nodes")
 
 
 def _check_groups(groups: list[list[int]], count: int, tensor_parallel_size: int, num_gpus: int) -> None:

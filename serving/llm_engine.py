@@ -60,7 +60,7 @@ from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams
 from serving.abort_channel import AbortListener, abort_everywhere, instances_directory
 from serving.admission_gate import AdmissionGate
-from serving.device_map import instance_device, instance_placement
+from serving.device_map import check_nodes, instance_device, instance_placement
 from serving.engine_metrics import EngineMetrics
 from serving.sender_lane import PendingSend, SenderLane
 
@@ -127,6 +127,7 @@ class TritonPythonModel:
             int(parameters.get("tensor_parallel_size", "1") or 1), torch.cuda.device_count(),
         )
         config = EngineConfig.from_strings(parameters)
+        check_nodes(placement, config.nnodes)
         self.model_name = args["model_name"]
         self.instance_name = args.get("model_instance_name") or self.model_name
         where = "in its own process" if engine_process else "in this process"

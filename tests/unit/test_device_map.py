@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from backend.errors import ValidationError
-from serving.device_map import InstancePlacement, instance_device, instance_placement, parse_gpu_device_ids
+from serving.device_map import (InstancePlacement, check_nodes, instance_device, instance_placement,
+                                parse_gpu_device_ids)
 
 CONFIG = {"instance_group": [{"name": "llm_engine_0", "count": 2}, {"name": "llm_engine_1", "count": 3}]}
 
@@ -46,3 +47,10 @@ def test_several_instances_on_gpus_need_a_map_but_on_cpus_do_not():
         instance_device(InstancePlacement("MODEL", 0, 1, 2), "auto", "", 1, 2)
     assert instance_device(InstancePlacement("CPU", 0, 1, 2), "auto", "", 1, 0) == "auto"
     assert instance_device(InstancePlacement("MODEL", 0, 0, 1), "cuda", "", 1, 1) == "cuda"
+
+
+def test_ranks_across_nodes_serve_one_instance():
+    check_nodes(InstancePlacement("CPU", 0, 0, 1), 2)
+    check_nodes(InstancePlacement("CPU", 0, 1, 2), 1)
+    with pytest.raises(ValidationError, match=r"nnodes: above 1 needs one instance \(instance_group has 2\)"):
+        check_nodes(InstancePlacement("CPU", 0, 1, 2), 2)
