@@ -115,10 +115,29 @@ def test_engine_outputs_equal_one_rank(four_layers, expected, tensor_parallel_si
         assert full > 0
         assert _seeded(engine, prompts[:6]) == seeded
         assert run_engine(engine, [prompts[0]], [16]) == [hf_greedy(four_layers, prompts[0], 16)]
+        _abort_in_flight(engine, prompts, max_tokens, greedy)
     finally:
         engine.close()
     assert all(w.poll() is not None for w in engine.workers.workers)
     assert len(engine.workers.stage_busy) == 2 * tensor_parallel_size - 1  # every worker's forwards
+
+
+def _abort_in_flight(engine: LLMEngine, prompts, max_tokens, greedy) -> None:
+    """Abort a request whose batch is in the pipeline (its blocks freed at once), then start one
+    that may take them: the batch-mates and the newcomer still get one rank's tokens."""
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+           for p, m in zip(prompts[:4], max_tokens[:4])]
+    assert engine.step() == [] and len(engine.batches_in_flight) == 1
+    (batch, _), = engine.batches_in_flight
+    victim = batch.requests[0].request_id
+    assert engine.abort(victim).finished
+    ids.append(engine.add_request(prompts[4], SamplingParams(max_tokens=max_tokens[4], temperature=0.0,
+                                                             ignore_eos=True)))
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+    assert [tokens[i] for i in ids if i != victim] == [g for i, g in zip(ids, greedy[:5]) if i != victim]
 
 
 def test_preemption_and_prefix_caching_under_pp(four_layers, expected):
