@@ -56,6 +56,7 @@ class WorkerGroup:
             self.groups: RankGroups = join(init_method, 0, self.world_size, config)[0]
         except Exception as e:
             self._stop_workers(grace_s=0)
+            self._remove_rendezvous()
             raise FatalEngineError(f"the {self.world_size} ranks did not join at {init_method}"
                                    + (" (is `python -m backend.node` running on every other node?)"
                                       if config.nnodes > 1 else "") + f": {e}") from e
@@ -116,9 +117,11 @@ class WorkerGroup:
             pass  # a rank is gone already: the others notice their peer or their parent, or are killed below
         self._stop_workers(CLOSE_GRACE_S)
         dist.destroy_process_group()
+        self._remove_rendezvous()
+
+    def _remove_rendezvous(self) -> None:
         if self.rendezvous is not None and os.path.exists(self.rendezvous):
             os.remove(self.rendezvous)
-
 
     def _stop_workers(self, grace_s: float) -> None:
         for worker in self.workers:

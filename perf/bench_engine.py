@@ -142,8 +142,8 @@ def instrument(engine: LLMEngine, timer: PhaseTimer, kv: KVStats) -> None:
     scheduler, runner, attention = engine.scheduler, engine.runner, engine.attention
     schedule = timer.wrap("schedule", scheduler.schedule)
 
-    def schedule_and_measure():
-        batch = schedule()
+    def schedule_and_measure(*args, **kwargs):
+        batch = schedule(*args, **kwargs)
         used = engine.num_blocks - engine.block_manager.num_free_blocks
         if used > kv.peak_blocks_used:
             scheduled = {r.request_id: n for r, n in zip(batch.requests, batch.num_scheduled_tokens)}

@@ -133,8 +133,8 @@ class StepTimes:
         engine.runner.run = timed_run
         schedule = engine.scheduler.schedule
 
-        def kept_schedule():
-            self._batch = schedule()
+        def kept_schedule(*args, **kwargs):
+            self._batch = schedule(*args, **kwargs)
             return self._batch
 
         engine.scheduler.schedule = kept_schedule

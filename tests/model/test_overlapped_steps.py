@@ -120,8 +120,8 @@ def test_request_done_by_length_is_not_scheduled_again():
                                         async_scheduling=async_scheduling))
         schedule, batches = engine.scheduler.schedule, []
 
-        def counted_schedule(schedule=schedule, batches=batches):
-            batches.append(schedule())
+        def counted_schedule(*args, schedule=schedule, batches=batches):
+            batches.append(schedule(*args))
             return batches[-1]
 
         engine.scheduler.schedule = counted_schedule
