@@ -53,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_tensor_parallel as tpm  # noqa: E402  (perf/ is not a package)
-from model_tensor_parallel import GIB, H200, LLAMA3_70B, Assumptions, Gpu, ModelShape  # noqa: E402
+from model_tensor_parallel import GIB, H200, LLAMA3_70B, Assumptions, Gpu, ModelShape, StepTime  # noqa: E402
 
 LLAMA31_405B = ModelShape("Llama-3.1-405B", 16384, 126, 128, 8, 128, 53248, 128256)
 GPUS_PER_NODE = 8
@@ -94,19 +94,8 @@ class Config:
 
 
 @dataclass(frozen=True)
-class StageTime:
-    memory_s: float
-    compute_s: float
-    tp_comm_s: float
-
-    @property
-    def total_s(self) -> float:
-        return max(self.memory_s, self.compute_s) + self.tp_comm_s
-
-
-@dataclass(frozen=True)
 class Pipeline:
-    stages: list[StageTime]
+    stages: list[StepTime]  # per stage: its layers' memory, compute and tensor-parallel time
     transfer_s: float    # one forward stage-boundary transfer (hidden states)
     return_s: float      # the sampled token ids back to stage 0 (0 when PP = 1)
 
@@ -120,7 +109,7 @@ class Pipeline:
 
     @property
     def comm_s(self) -> float:
-        return sum(s.tp_comm_s for s in self.stages) + self.transfers_s
+        return sum(s.comm_s for s in self.stages) + self.transfers_s
 
     def cycle_s(self, in_flight: int) -> float:
         return max(self.pass_s, in_flight * max(s.total_s for s in self.stages))
@@ -195,9 +184,9 @@ def pipeline(m: ModelShape, cfg: Config, batch: int, context: int, cl: Cluster, 
         first, last = s == 0, s == cfg.pp - 1
         nbytes = stage_read_bytes_per_rank(m, cfg.tp, layers, last, a) \
             + batch * context * stage_kv_bytes_per_token_per_rank(m, cfg.tp, layers)
-        stages.append(StageTime(nbytes / hbm,
-                                stage_flops_per_rank(m, cfg.tp, layers, last, batch, context) / flops,
-                                stage_tp_comm_s(m, cfg, layers, first, last, batch, cl, a)))
+        stages.append(StepTime(nbytes / hbm,
+                               stage_flops_per_rank(m, cfg.tp, layers, last, batch, context) / flops,
+                               stage_tp_comm_s(m, cfg, layers, first, last, batch, cl, a)))
     boundary = cl.ib if cfg.pp_crosses_nodes else cl.nvlink
     if cfg.pp == 1:
         return Pipeline(stages, 0.0, 0.0)
@@ -247,7 +236,7 @@ def stage_table(m: ModelShape, configs: list[Config], batch: int, context: int, 
         p = pipeline(m, cfg, batch, context, cl, a)
         for s, (st, n) in enumerate(zip(p.stages, stage_layers(m, cfg.pp))):
             xfer = ms(p.transfer_s) if cfg.pp > 1 else "-"
-            lines.append(f"| {cfg.label} | {s} | {n} | {ms(st.memory_s)} | {ms(st.compute_s)} | {ms(st.tp_comm_s)} "
+            lines.append(f"| {cfg.label} | {s} | {n} | {ms(st.memory_s)} | {ms(st.compute_s)} | {ms(st.comm_s)} "
                          f"| {ms(st.total_s)} | {xfer} |")
     return lines
 
