@@ -73,14 +73,10 @@ class RankGroups:
 
     def broadcast_in_stage(self, message: object) -> object:
         """Stage 0: rank 0's message to its stage's ranks."""
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.stage_groups[0])
-        return box[0]
+        return broadcast(message, self.stage_groups[0])
 
     def broadcast_to_everyone(self, message: object) -> object:
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.everyone)
-        return box[0]
+        return broadcast(message, self.everyone)
 
 
 def join(init_method: str, rank: int, world_size: int, config: EngineConfig | None = None
@@ -89,9 +85,7 @@ def join(init_method: str, rank: int, world_size: int, config: EngineConfig | No
     config, which the others receive) and make the groups."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=JOIN_TIMEOUT)
     everyone = dist.new_group(list(range(world_size)), timeout=COLLECTIVE_TIMEOUT)
-    box = [config.to_json() if config is not None else None]
-    dist.broadcast_object_list(box, src=0, group=everyone)
-    config = EngineConfig.from_json(box[0])
+    config = EngineConfig.from_json(broadcast(config.to_json() if config is not None else None, everyone))
     t = config.tensor_parallel_size
     if world_size != t * config.pipeline_parallel_size:
         raise ValueError(f"world size {world_size} is not tensor_parallel_size x pipeline_parallel_size "
@@ -99,6 +93,13 @@ def join(init_method: str, rank: int, world_size: int, config: EngineConfig | No
     stage_groups = [dist.new_group(list(range(s * t, (s + 1) * t)), timeout=COLLECTIVE_TIMEOUT)
                     for s in range(world_size // t)] if t > 1 else []
     return RankGroups(rank, world_size, t, everyone, stage_groups), config
+
+
+def broadcast(message: object, group) -> object:
+    """Rank 0's `message` (picklable), on every rank of `group`."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:

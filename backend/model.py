@@ -206,6 +206,12 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()
 
+    @property
+    def shares_embeddings(self) -> bool:
+        """lm_head is the embedding table itself: tied, and both held here (a pipeline stage
+        holds one of them or neither)."""
+        return self.args.tie_word_embeddings and self.model.embed_tokens is not None and self.lm_head is not None
+
     def use_triton_kernels(self, enabled: bool) -> None:
         """Run RMSNorm and SiLU-multiply as Triton kernels (RoPE, the KV store and attention are
         the AttentionBackend's choice)."""

@@ -102,14 +102,9 @@ def load_model(
     for layer in model.model.layers:
         layer.self_attn.rotary = rotary
     _load_weights(model, Path(model_dir), device, select, stage)
-    if _shares_embeddings(model):
+    if model.shares_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval(), config
-
-
-def _shares_embeddings(model: LlamaForCausalLM) -> bool:
-    """lm_head is the embedding table itself (tied, and both on this pipeline stage)."""
-    return model.args.tie_word_embeddings and model.model.embed_tokens is not None and model.lm_head is not None
 
 
 def _parameter_for(model: LlamaForCausalLM, name: str) -> tuple[str, slice | None]:
@@ -160,7 +155,7 @@ def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device
                 with torch.no_grad():
                     target.copy_(tensor.to(device=device, dtype=target.dtype))
                 rows_left[param_name] -= target.shape[0]
-    if _shares_embeddings(model):
+    if model.shares_embeddings:
         rows_left.pop("lm_head.weight", None)
     missing = sorted(name for name, rows in rows_left.items() if rows)
     if missing:

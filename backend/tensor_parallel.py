@@ -177,7 +177,7 @@ def shard_model(model: LlamaForCausalLM, tp: TensorParallelRank) -> None:
     if head is not None:
         model.lm_head = ParallelLMHead(head.weight.data, share.vocab.start, share.vocab.stop,
                                        share.vocab_rows_per_rank, args.vocab_size, tp.all_gather)
-    if args.tie_word_embeddings and embedding is not None and head is not None:  # one copy of the shared rows
+    if model.shares_embeddings:  # one copy of the shared rows
         model.lm_head.weight = model.model.embed_tokens.weight
     d, q_heads, kv_heads = args.head_dim, len(share.heads.q_heads), len(share.heads.kv_heads)
     k_start = args.num_heads * d

@@ -58,7 +58,6 @@ def run_rank(groups: RankGroups, config: EngineConfig) -> list[tuple[float, floa
                 step, intermediate = groups.broadcast_in_stage(None), None
             else:
                 step, intermediate = recv_step(previous, groups.everyone, hf_config.hidden_size, dtype)
-                intermediate = intermediate or None
             if step is None:
                 if following is not None:
                     send_step(sends, None, (), following, groups.everyone)

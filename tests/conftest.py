@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -27,6 +28,13 @@ def _byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+
+
+def free_port() -> int:
+    """A TCP port nothing on this host listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def write_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from backend.model_runner import ModelRunner, StepInput
 from backend.node import VARIABLES
 from backend.pipeline_parallel import pipeline_stage
 from backend.sampling_params import SamplingParams
-from tests.conftest import write_tiny_model
+from tests.conftest import free_port, write_tiny_model
 from tests.model.test_engine_core import Collector
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
 from tests.model.test_tensor_parallel import _seeded
@@ -226,12 +225,6 @@ def test_a_dead_stage_ends_every_request(four_layers):
     loop.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_node(port: int, world_size: int, local_world_size: int, node_rank: int) -> subprocess.Popen:
     """`python -m backend.node` with torchrun's rendezvous variables, as on another host."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
@@ -244,7 +237,7 @@ def test_a_second_node_serves_its_stage_and_its_death_ends_every_request(four_la
     command started on its own holds stage 1. Its tokens are one rank's; killing the node ends
     every request with the engine's error within seconds."""
     prompts, max_tokens, greedy, _ = expected
-    port = _free_port()
+    port = free_port()
     config = EngineConfig(model=str(four_layers), tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2,
                           master_port=port)
     with ThreadPoolExecutor(1) as pool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_server
-from tests.conftest import write_tiny_model
+from tests.conftest import free_port, write_tiny_model
 
 pytestmark = pytest.mark.server
 # a request with this seed raises inside a step after two tokens (backend/fault_injection.py)
@@ -90,12 +89,6 @@ def wait_until_unloaded(server: Server, model: str, timeout: float = 30.0) -> No
     assert not model_ready(server, model)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _repository_with_tiny_model(root: Path) -> tuple[Path, Path]:
     model_dir = write_tiny_model(root / "tiny_llama")
     from transformers import AutoTokenizer
@@ -152,9 +145,9 @@ def start_test_server(root: Path, fault_injection: str, parameters: dict[str, st
         repository, model_dir = _repository_with_tiny_model(root)
     handle = start_server(
         repository,
-        http_port=_free_port(),
-        grpc_port=_free_port(),
-        metrics_port=_free_port(),
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
         log_file=root / "tritonserver.log",
         ready_timeout=600,
         extra_env={"SPECSERVE_FAULT_INJECTION": fault_injection},

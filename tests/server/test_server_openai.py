@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.server.conftest import _free_port
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.server
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -22,7 +22,7 @@ GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def api(server):
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "serving.openai_server", "--triton", server.grpc_url, "--port", str(port),
          "--host", "127.0.0.1"], cwd=Path(__file__).parents[2])

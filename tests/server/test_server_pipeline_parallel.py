@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.model.test_pipeline_parallel import _free_port, start_node
+from tests.conftest import free_port
+from tests.model.test_pipeline_parallel import start_node
 from tests.server.conftest import start_test_server, wait_until_unloaded
 from tests.server.test_server_engine_process import PROMPTS, _kill_mid_stream, _texts
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.server
 
 
 def test_a_second_node_serves_stage_1_and_its_death_ends_the_streams(tmp_path, server):
-    port = _free_port()
+    port = free_port()
     node = start_node(port, world_size=2, local_world_size=1, node_rank=1)
     try:
         pp = start_test_server(tmp_path, "", {"pipeline_parallel_size": "2", "nnodes": "2",
