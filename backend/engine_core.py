@@ -2,13 +2,14 @@
 
     python -m backend.engine_core --config JSON --requests ADDR --outputs ADDR --parent PID
 
-`EngineCoreClient` (engine_core_client.py) starts it: the client binds both sockets, this process
-connects. Requests come in on a PULL socket as pickled tuples, ("add", request id, prompt ids,
-SamplingParams), ("abort", request id) or ("stop",); everything goes out on PUSH sockets (one per
-sending thread, ZeroMQ sockets being single-threaded): ("ready", RequestLimits, EngineStats) once
-the engine is built, or ("failed", message); then ("output", RequestOutput) and, at most every
-STATS_INTERVAL_S, ("stats", EngineStats); ("dead",) once a fatal fault has ended every request.
-The process exits when told to stop, or when its parent is gone (checked every poll).
+`EngineCoreClient` (engine_core_client.py) starts it: the client binds both sockets (in a
+directory only its user can enter), this process connects. The messages are typed
+(backend/core_messages.py): AddRequest, AbortRequest or StopRequest come in on a PULL socket, and
+one that is none of them is logged and dropped; everything goes out on PUSH sockets (one per
+sending thread, ZeroMQ sockets being single-threaded): Ready once the engine is built, or Failed;
+then an Output per request output and, at most every STATS_INTERVAL_S, Stats; Dead once a fatal
+fault has ended every request. The process exits when told to stop, or when its parent is gone
+(checked every poll).
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import time
 
 import zmq
 
+from backend import core_messages, wire
 from backend.config import EngineConfig
+from backend.core_messages import AbortRequest, AddRequest, Dead, Failed, Output, Ready, Stats
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
 from backend.fault_injection import fault_hook_from_env
@@ -38,13 +41,13 @@ class _Outbox:
         self.context, self.address = context, address
         self.local = threading.local()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Ready | Failed | Output | Stats | Dead) -> None:
         socket = getattr(self.local, "socket", None)
         if socket is None:
             socket = self.local.socket = self.context.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 1000)
             socket.connect(self.address)
-        socket.send_pyobj(message)
+        socket.send(wire.encode(message))
 
 
 def serve(config: EngineConfig, requests_address: str, outputs_address: str, parent_pid: int) -> int:
@@ -57,35 +60,38 @@ def serve(config: EngineConfig, requests_address: str, outputs_address: str, par
         engine.fault_hook = fault_hook_from_env(os.environ.get("SPECSERVE_FAULT_INJECTION"))
     except Exception as e:
         log.exception("the engine could not start")
-        outbox.send(("failed", f"{type(e).__name__}: {e}"))
+        outbox.send(Failed(f"{type(e).__name__}: {e}"))
         return 1
     loop = EngineLoop(engine)
     last_stats = 0.0
 
     def on_output(output: RequestOutput) -> None:  # the engine thread
         nonlocal last_stats
-        outbox.send(("output", output))
+        outbox.send(Output(output))
         now = time.monotonic()
         if now - last_stats >= STATS_INTERVAL_S or output.finished:
             last_stats = now
-            outbox.send(("stats", engine.stats()))
+            outbox.send(Stats(engine.stats()))
 
     loop.start()
-    outbox.send(("ready", engine.limits, engine.stats()))
+    outbox.send(Ready(engine.limits, engine.stats()))
     reported_dead = False
     while os.getppid() == parent_pid:
         if loop.dead and not reported_dead:
-            outbox.send(("dead",))
+            outbox.send(Dead())
             reported_dead = True
         if not inbox.poll(POLL_MS):
             continue
-        message = inbox.recv_pyobj()
-        if message[0] == "add":
-            _, request_id, prompt_ids, params = message
-            loop.add(request_id, prompt_ids, params, on_output)
-        elif message[0] == "abort":
-            loop.abort(message[1])
-        else:  # stop
+        try:
+            message = core_messages.REQUESTS.decode(inbox.recv())
+        except wire.WireError as e:
+            log.error("dropped a message on the requests socket: %s", e)
+            continue
+        if isinstance(message, AddRequest):
+            loop.add(message.request_id, message.prompt_ids, message.params, on_output)
+        elif isinstance(message, AbortRequest):
+            loop.abort(message.request_id)
+        else:  # StopRequest
             break
     loop.shutdown()  # aborts what is left: each request gets its final output
     context.destroy(linger=1000)

@@ -3,7 +3,9 @@
 The serving adapter's threads (Triton's execute thread, the sender) then never compete with the
 engine for one GIL. `submit` validates at once against the limits the core reported when it
 started (a bad request is refused here, as in-process), then sends the request; a receiver
-thread hands each output to its callback. If the core process dies, every request in flight ends
+thread hands each output to its callback; a message on the outputs socket that is not one the
+core sends (backend/core_messages.py) is logged and dropped. The sockets live in a directory only
+this user can enter, removed at shutdown. If the core process dies, every request in flight ends
 with ENGINE_DEAD within RECEIVE_POLL_S and `dead` is set; `shutdown` stops it and waits for it
 (killing it after a grace period), so no process outlives the client.
 """
@@ -16,8 +18,10 @@ import threading
 
 import zmq
 
-from backend.child_process import start_module, unique_path
+from backend import core_messages, wire
+from backend.child_process import private_directory, remove_directory, start_module
 from backend.config import EngineConfig
+from backend.core_messages import AbortRequest, AddRequest, Dead, Failed, Output, Ready, Stats, StopRequest
 from backend.engine import EngineStats
 from backend.errors import ENGINE_DEAD, EngineDeadError
 from backend.engine_loop import OutputCallback
@@ -49,31 +53,37 @@ class EngineCoreFacts:
 class EngineCoreClient:
     def __init__(self, config: EngineConfig):
         self.context = zmq.Context()
-        name = unique_path("core")
+        self.directory = private_directory("core")
+        requests, outputs = f"ipc://{self.directory}/requests", f"ipc://{self.directory}/outputs"
         self.requests = self.context.socket(zmq.PUSH)
-        self.requests.bind(f"ipc://{name}-requests")
+        self.requests.bind(requests)
         self.outputs = self.context.socket(zmq.PULL)
-        self.outputs.bind(f"ipc://{name}-outputs")
+        self.outputs.bind(outputs)
         self._send_lock = threading.Lock()  # execute()'s thread submits, the sender thread aborts
         self._callbacks: dict[str, OutputCallback] = {}
         self._callbacks_lock = threading.Lock()
         self._next_id = 0
         self._stopping = False
         self.dead = False
-        self.process = start_module("backend.engine_core", "--config", config.to_json(), "--requests", f"ipc://{name}-requests",
-                                    "--outputs", f"ipc://{name}-outputs", "--parent", str(os.getpid()))
-        self.engine = self._wait_ready()
+        self.process = start_module("backend.engine_core", "--config", config.to_json(), "--requests", requests,
+                                    "--outputs", outputs, "--parent", str(os.getpid()))
+        try:
+            self.engine = self._wait_ready()
+        except BaseException:
+            self.context.destroy(linger=0)
+            remove_directory(self.directory)
+            raise
         self._receiver = threading.Thread(target=self._receive, name="specserve-core-receiver", daemon=True)
 
     def _wait_ready(self) -> EngineCoreFacts:
         waited = 0.0
         while waited < STARTUP_TIMEOUT_S:
-            if self.outputs.poll(int(RECEIVE_POLL_S * 1000)):
-                message = self.outputs.recv_pyobj()
-                if message[0] == "ready":
-                    return EngineCoreFacts(message[1], message[2])
+            message = self._poll()
+            if isinstance(message, Ready):
+                return EngineCoreFacts(message.limits, message.stats)
+            if isinstance(message, Failed):
                 self._stop_process()
-                raise RuntimeError(f"the engine core failed to start: {message[1]}")
+                raise RuntimeError(f"the engine core failed to start: {message.message}")
             if self.process.poll() is not None:
                 raise RuntimeError(f"the engine core exited with code {self.process.returncode} while starting")
             waited += RECEIVE_POLL_S
@@ -94,27 +104,38 @@ class EngineCoreClient:
                 request_id = f"core-{self._next_id}"
                 self._next_id += 1
             self._callbacks[request_id] = on_output
-        self._send(("add", request_id, list(prompt_ids), params))
+        self._send(AddRequest(request_id, list(prompt_ids), params))
         return request_id
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
     def shutdown(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
         """Stop the core (each request in flight gets its final output first) and wait for it."""
         self._stopping = True
         if self.process.poll() is None:
-            self._send(("stop",))
+            self._send(StopRequest())
         self._stop_process(timeout)
         if self._receiver.is_alive():
             self._receiver.join(timeout)
         self._fail_all()  # whatever the core could not end
         self.context.destroy(linger=0)
+        remove_directory(self.directory)
 
     # -- internals ------------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: AddRequest | AbortRequest | StopRequest) -> None:
         with self._send_lock:
-            self.requests.send_pyobj(message)
+            self.requests.send(wire.encode(message))
+
+    def _poll(self) -> Ready | Failed | Output | Stats | Dead | None:
+        """The core's next message, or None when none came within RECEIVE_POLL_S (or it was not one)."""
+        if not self.outputs.poll(int(RECEIVE_POLL_S * 1000)):
+            return None
+        try:
+            return core_messages.OUTPUTS.decode(self.outputs.recv())
+        except wire.WireError as e:
+            log.error("dropped a message on the outputs socket: %s", e)
+            return None
 
     def _stop_process(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
         try:
@@ -126,20 +147,18 @@ class EngineCoreClient:
 
     def _receive(self) -> None:
         while True:
-            if not self.outputs.poll(int(RECEIVE_POLL_S * 1000)):
-                if self.process.poll() is not None:  # gone: stopped, or died
-                    if not self._stopping:
-                        log.error("the engine core exited with code %s", self.process.returncode)
-                    self.dead = True
-                    self._fail_all()
-                    return
-                continue
-            message = self.outputs.recv_pyobj()
-            if message[0] == "output":
-                self._deliver(message[1])
-            elif message[0] == "stats":
-                self.engine._stats = message[1]
-            elif message[0] == "dead":
+            message = self._poll()
+            if message is None and self.process.poll() is not None:  # gone: stopped, or died
+                if not self._stopping:
+                    log.error("the engine core exited with code %s", self.process.returncode)
+                self.dead = True
+                self._fail_all()
+                return
+            if isinstance(message, Output):
+                self._deliver(message.output)
+            elif isinstance(message, Stats):
+                self.engine._stats = message.stats
+            elif isinstance(message, Dead):
                 self.dead = True
 
     def _deliver(self, output: RequestOutput) -> None:

@@ -2,11 +2,13 @@
 the first node, inside tritonserver) at a rendezvous given by torchrun's environment variables.
 
     MASTER_ADDR=<first node> MASTER_PORT=<port> WORLD_SIZE=<tp x pp> LOCAL_WORLD_SIZE=<ranks here> \\
-        NODE_RANK=<1..> python -m backend.node
+        NODE_RANK=<1..> SPECSERVE_RANK_SECRET=<hex> python -m backend.node
 
 Node n runs ranks [n * LOCAL_WORLD_SIZE, (n + 1) * LOCAL_WORLD_SIZE): with LOCAL_WORLD_SIZE =
 tensor_parallel_size, one whole pipeline stage. The engine's config (model path included: the
-checkpoint must be at the same path here) comes from rank 0. The node exits when its ranks do:
+checkpoint must be at the same path here) comes from rank 0. SPECSERVE_RANK_SECRET is the secret
+every rank proves it holds when it joins: the same on every node, tritonserver's included (e.g.
+`python -c 'import secrets; print(secrets.token_hex(32))'`). The node exits when its ranks do:
 when the engine stops them, or when a peer is gone; if one of its ranks fails, it stops the
 others. Killing this command kills its ranks.
 """
@@ -17,6 +19,7 @@ import signal
 import sys
 import time
 
+from backend.distributed import rank_secret_from_env
 from backend.worker_group import start_worker
 
 VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")
@@ -35,6 +38,11 @@ def main() -> int:
     if not 0 < node < world_size // local:
         print(f"specserve node: NODE_RANK must be in [1, {world_size // local}) (node 0 runs tritonserver)",
               file=sys.stderr)
+        return 2
+    try:
+        rank_secret_from_env()  # the workers read it from the environment they inherit
+    except ValueError as e:
+        print(f"specserve node: {e}", file=sys.stderr)
         return 2
     init_method = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     ranks = range(node * local, (node + 1) * local)

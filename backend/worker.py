@@ -1,13 +1,15 @@
 """A worker rank of a parallel engine (backend/distributed.py): it holds its pipeline stage's
 layers, its tensor-parallel share of them and of their KV cache, and runs every step's forward.
 
-    python -m backend.worker --rank R --world-size W --init-method URL [--parent PID]
+    SPECSERVE_RANK_SECRET=<hex> python -m backend.worker --rank R --world-size W --init-method URL [--parent PID]
 
 A stage-0 rank gets each step by rank 0's broadcast; a later stage's rank receives it, with the
 hidden states, from the same tp_rank of the stage before, and hands its own on; the last stage's
 first rank sends the logits to rank 0. The engine's config comes from rank 0 once every rank has
-joined, so a worker on another node needs only the rendezvous. It exits when told to (a None
-step), when a peer is gone (a collective fails), or when its parent process is gone.
+joined, so a worker on another node needs only the rendezvous and the ranks' secret, which it
+proves it holds when it joins (in its environment: a command line is world-readable). It exits
+when told to (a None step), when a peer is gone (a collective fails), or when its parent process
+is gone.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch
 
 from backend.attention import make_attention_backend
 from backend.config import EngineConfig
-from backend.distributed import RankGroups, Sends, join, recv_step, send_step
+from backend.distributed import (RANK_SECRET_VARIABLE, RankGroups, Sends, join, rank_secret_from_env, recv_step,
+                                 send_busy, send_step)
 from backend.engine import resolve_device
 from backend.model_loader import TORCH_DTYPES, load_hf_config, load_model
 from backend.model_runner import ModelRunner
@@ -47,17 +50,17 @@ def run_rank(groups: RankGroups, config: EngineConfig) -> list[tuple[float, floa
     model, _ = load_model(config.model, config.dtype, device, max_model_len, groups.tensor_parallel(), stage)
     attention = make_attention_backend(config.attention_backend, device)
     model.use_triton_kernels(attention.name == "triton")
-    setup = groups.broadcast_to_everyone(None)  # rank 0's KV pool size: {"num_blocks": n}
-    runner = ModelRunner(model, attention, setup["num_blocks"], config.block_size, device, dtype)
+    num_blocks = groups.broadcast_num_blocks(None)  # rank 0's KV pool size
+    runner = ModelRunner(model, attention, num_blocks, config.block_size, device, dtype)
     previous = groups.stage_rank(groups.stage - 1) if groups.stage > 0 else None
     following = None if groups.is_last_stage else groups.stage_rank(groups.stage + 1)
     sends, busy = Sends(), []
     with torch.inference_mode():
         while True:
             if previous is None:
-                step, intermediate = groups.broadcast_in_stage(None), None
+                step, intermediate = groups.broadcast_in_stage(None, device), None
             else:
-                step, intermediate = recv_step(previous, groups.everyone, hf_config.hidden_size, dtype)
+                step, intermediate = recv_step(previous, groups.everyone, hf_config.hidden_size, dtype, device)
             if step is None:
                 if following is not None:
                     send_step(sends, None, (), following, groups.everyone)
@@ -82,9 +85,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.parent is not None:
         threading.Thread(target=_exit_with_parent, args=(args.parent,), daemon=True).start()
-    groups, config = join(args.init_method, args.rank, args.world_size)
+    try:
+        secret = rank_secret_from_env()
+    except ValueError as e:
+        raise SystemExit(f"specserve worker: {e}") from None
+    del os.environ[RANK_SECRET_VARIABLE]
+    groups, config = join(args.init_method, args.rank, args.world_size, secret)
     busy = run_rank(groups, config)
-    torch.distributed.gather_object(busy, None, dst=0, group=groups.everyone)  # rank 0 reports the bubble
+    send_busy(busy, groups.everyone)  # rank 0 reports the bubble
     torch.distributed.destroy_process_group()
 
 

@@ -1,6 +1,8 @@
 """Rank 0's side of a parallel engine (backend/distributed.py): it starts the worker ranks of its
-own node, joins them and the ranks of other nodes, sends them the engine's config and the KV
-pool's size, then drives each step:
+own node, joins them and the ranks of other nodes (each must prove it holds the ranks' secret:
+on one node a fresh one, handed to the workers in their environment; across nodes the operator's
+SPECSERVE_RANK_SECRET), sends them the engine's config and the KV pool's size, then drives each
+step:
 
     tensor parallel      TensorParallelRunner.run: broadcast the step to stage 0, run rank 0's
                          share of it, return the logits
@@ -17,14 +19,16 @@ from __future__ import annotations
 
 import collections
 import os
+import secrets
 import subprocess
 
 import torch
 import torch.distributed as dist
 
-from backend.child_process import start_module, unique_path
+from backend.child_process import private_directory, remove_directory, start_module
 from backend.config import EngineConfig
-from backend.distributed import RankGroups, Sends, join, send_step
+from backend.distributed import (RANK_SECRET_VARIABLE, RankGroups, RankRefusedError, Sends, join, rank_secret_from_env,
+                                 recv_busy, send_step)
 from backend.errors import FatalEngineError
 from backend.model_runner import ModelRunner, StepInput
 from backend.tensor_parallel import TensorParallelRank
@@ -32,36 +36,48 @@ from backend.tensor_parallel import TensorParallelRank
 CLOSE_GRACE_S = 10.0
 
 
-def start_worker(rank: int, world_size: int, init_method: str, parent: int) -> subprocess.Popen:
-    """One worker rank's process (backend/worker.py), which exits when `parent` is gone."""
+def start_worker(rank: int, world_size: int, init_method: str, parent: int, env: dict[str, str] | None = None
+                 ) -> subprocess.Popen:
+    """One worker rank's process (backend/worker.py), which exits when `parent` is gone; `env`
+    holds what it must not get on its command line (the ranks' secret)."""
     return start_module("backend.worker", "--rank", str(rank), "--world-size", str(world_size),
-                        "--init-method", init_method, "--parent", str(parent))
+                        "--init-method", init_method, "--parent", str(parent), env=env)
 
 
 class WorkerGroup:
     def __init__(self, config: EngineConfig):
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         ranks_per_node = self.world_size // config.nnodes
-        if config.nnodes > 1:  # the other nodes' ranks join at MASTER_ADDR (this node):MASTER_PORT
-            self.rendezvous, init_method = None, f"tcp://127.0.0.1:{config.master_port}"
-        else:
-            self.rendezvous = unique_path("ranks")
-            init_method = f"file://{self.rendezvous}"
-        self.workers = [start_worker(rank, self.world_size, init_method, os.getpid())
+        secret, interface, init_method = self._rendezvous(config)
+        env = {RANK_SECRET_VARIABLE: secret.hex()} | ({"GLOO_SOCKET_IFNAME": interface} if interface else {})
+        self.workers = [start_worker(rank, self.world_size, init_method, os.getpid(), env)
                         for rank in range(1, ranks_per_node)]
         self.closed = False
         self.vocab_size = 0  # the logits' width (setup)
         self.stage_busy: list[list[tuple[float, float]]] = []  # per rank 1.., its forwards' (start, end)
         try:
-            self.groups: RankGroups = join(init_method, 0, self.world_size, config)[0]
+            self.groups: RankGroups = join(init_method, 0, self.world_size, secret, config, interface)[0]
         except Exception as e:
             self._stop_workers(grace_s=0)
-            self._remove_rendezvous()
-            raise FatalEngineError(f"the {self.world_size} ranks did not join at {init_method}"
-                                   + (" (is `python -m backend.node` running on every other node?)"
-                                      if config.nnodes > 1 else "") + f": {e}") from e
+            remove_directory(self.directory)
+            hint = (" (is `python -m backend.node` running on every other node?)"
+                    if config.nnodes > 1 and not isinstance(e, RankRefusedError) else "")
+            raise FatalEngineError(f"the {self.world_size} ranks did not join at {init_method}{hint}: {e}") from e
         self.sends = Sends()
         self.logits_in_flight: collections.deque[int] = collections.deque()  # per step sent on, oldest first
+
+    def _rendezvous(self, config: EngineConfig) -> tuple[bytes, str | None, str]:
+        """The ranks' secret, the interface gloo binds (None: gloo's choice) and where the ranks
+        meet: across nodes, the operator's secret and MASTER_PORT on this node, which the others
+        must reach; on one node, a fresh secret, loopback and a file in a private directory."""
+        self.directory: str | None = None
+        if config.nnodes > 1:
+            try:
+                return rank_secret_from_env(), None, f"tcp://127.0.0.1:{config.master_port}"
+            except ValueError as e:
+                raise FatalEngineError(f"a world of {config.nnodes} nodes needs the ranks' secret: {e}") from None
+        self.directory = private_directory("ranks")
+        return secrets.token_bytes(32), "lo", f"file://{self.directory}/rendezvous"
 
     @property
     def tensor_parallel(self) -> TensorParallelRank | None:
@@ -71,7 +87,7 @@ class WorkerGroup:
         """Every rank's KV pool has the same blocks (of its own layers and heads)."""
         self.vocab_size = vocab_size
         self.check_workers()
-        self.groups.broadcast_to_everyone({"num_blocks": num_blocks})
+        self.groups.broadcast_num_blocks(num_blocks)
 
     def broadcast(self, step: StepInput | None) -> None:
         """Stage 0's other ranks run this step (None: stop)."""
@@ -110,18 +126,12 @@ class WorkerGroup:
                 while self.logits_in_flight:  # the last stage's sends complete once received
                     self.recv_logits()
             self.sends.wait()
-            gathered = [None] * self.world_size
-            dist.gather_object([], gathered, dst=0, group=self.groups.everyone)
-            self.stage_busy = gathered[1:]
+            self.stage_busy = recv_busy(self.world_size, self.groups.everyone)
         except Exception:
             pass  # a rank is gone already: the others notice their peer or their parent, or are killed below
         self._stop_workers(CLOSE_GRACE_S)
         dist.destroy_process_group()
-        self._remove_rendezvous()
-
-    def _remove_rendezvous(self) -> None:
-        if self.rendezvous is not None and os.path.exists(self.rendezvous):
-            os.remove(self.rendezvous)
+        remove_directory(self.directory)
 
     def _stop_workers(self, grace_s: float) -> None:
         for worker in self.workers:

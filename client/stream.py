@@ -6,14 +6,16 @@
 `generate` yields one Chunk per response (a text delta when streaming, the whole completion
 otherwise). Leaving the loop early (break, an exception, Ctrl-C) stops the request on the server:
 tritonserver does not pass a cancelled `llm` request on to the engine, so the client sends a stop
-request, `abort_request_id` set to the request's id (each request gets a fresh one), and waits a
-moment for the request to end. `complete` gathers a whole request into one Completion.
+request, `abort_request_id` set to the request's id and `abort_key` to the secret sent with the
+request (each request gets a fresh id and key: only its sender can stop it), and waits a moment for
+the request to end. `complete` gathers a whole request into one Completion.
 """
 from __future__ import annotations
 
 import json
 import queue
 import re
+import secrets
 import time
 import urllib.error
 import uuid
@@ -47,8 +49,9 @@ INPUT_TYPES: dict[str, tuple[str, type]] = {
     "return_num_output_tokens": ("BOOL", np.bool_),
     "return_logprobs": ("BOOL", np.bool_),
     "return_cumulative_logprob": ("BOOL", np.bool_),
+    "abort_key": ("BYTES", np.object_),  # the secret a stop request for this request must carry
 }
-STOP_INPUT = {"abort_request_id": ("BYTES", np.object_)}  # a stop request's only input
+STOP_INPUT = {"abort_request_id": ("BYTES", np.object_)}  # with abort_key, a stop request's inputs
 OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs", "cumulative_logprob")
 ENSEMBLE_ERROR_PREFIX = re.compile(r"^in ensemble '[^']*', ")
 STOP_WAIT_S = 2.0  # how long a stopped request is given to end before the stream closes
@@ -91,11 +94,22 @@ class Completion:
         return sum(counts) if counts else None
 
 
+def new_abort_key() -> str:
+    """A fresh secret for one request's `abort_key`."""
+    return secrets.token_hex(16)
+
+
+def stop_inputs(request_id: str, abort_key: str) -> dict[str, str]:
+    """The inputs of the stop request for the request sent with this id and key."""
+    return {"abort_request_id": request_id, "abort_key": abort_key}
+
+
 def request_inputs(
     prompt: str | None = None, messages: list[dict] | str | None = None, **params
 ) -> dict[str, object]:
-    """The request's inputs by name; `params` are the other inputs of `llm` (see INPUT_TYPES)."""
-    values: dict[str, object] = {}
+    """The request's inputs by name; `params` are the other inputs of `llm` (see INPUT_TYPES).
+    A fresh `abort_key` is added unless one is given."""
+    values: dict[str, object] = {"abort_key": new_abort_key()}
     if prompt is not None:
         values["text_input"] = prompt
     if messages is not None:
@@ -164,16 +178,17 @@ def _grpc_generate(url: str, model: str, values: dict, timeout: float | None) ->
                 yield chunk
     finally:
         if started and not finished and model not in CANCELLED_BY_STREAM:
-            _grpc_stop(client, model, request_id, responses)
+            _grpc_stop(client, model, request_id, str(values["abort_key"]), responses)
         client.stop_stream(cancel_requests=not finished)
         client.close()
 
 
-def _grpc_stop(client, model: str, request_id: str, responses: queue.SimpleQueue) -> None:
+def _grpc_stop(client, model: str, request_id: str, abort_key: str, responses: queue.SimpleQueue) -> None:
     """Send the stop request on the stream, then wait (STOP_WAIT_S at most) for the stopped
     request's last response."""
     try:
-        client.async_stream_infer(model, grpc_inputs({"abort_request_id": request_id}), request_id=f"{request_id}-stop", enable_empty_final_response=True)
+        client.async_stream_infer(model, grpc_inputs(stop_inputs(request_id, abort_key)),
+                                  request_id=f"{request_id}-stop", enable_empty_final_response=True)
     except Exception:
         return  # the stream is gone: nothing more can be sent
     deadline = time.monotonic() + STOP_WAIT_S
@@ -254,12 +269,12 @@ def _http_generate(
             finished = True
     finally:
         if not finished and model not in CANCELLED_BY_STREAM:
-            _http_stop(base, model, request_id)
+            _http_stop(base, model, request_id, str(values["abort_key"]))
 
 
-def _http_stop(base: str, model: str, request_id: str) -> None:
+def _http_stop(base: str, model: str, request_id: str, abort_key: str) -> None:
     """POST the stop request (its answer waited for STOP_WAIT_S at most)."""
-    body = json.dumps({"abort_request_id": request_id}).encode("utf-8")
+    body = json.dumps(stop_inputs(request_id, abort_key)).encode("utf-8")
     request = urllib.request.Request(f"{base}/v2/models/{model}/generate", body, {"Content-Type": "application/json"})
     try:
         urllib.request.urlopen(request, timeout=STOP_WAIT_S).close()

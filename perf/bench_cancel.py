@@ -36,7 +36,7 @@ import tritonclient.grpc as grpcclient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from client.stream import INPUT_TYPES, complete  # noqa: E402
+from client.stream import INPUT_TYPES, complete, new_abort_key, stop_inputs  # noqa: E402
 from perf.bench_serving import load_prompts  # noqa: E402
 from perf.sweep_serving import free_port, make_repository  # noqa: E402
 from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
@@ -105,11 +105,12 @@ class Stream:
 
     def __init__(self, url: str, prompt: str, max_tokens: int):
         self.request_id, self.responses, self.reason, self.final_at = uuid.uuid4().hex, 0, None, float("nan")
+        self.abort_key = new_abort_key()
         self.done = threading.Event()
         self.client = grpcclient.InferenceServerClient(url)
         self.client.start_stream(callback=self._on_response)
         values = dict(text_input=prompt, stream=True, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                      return_finish_reason=True)
+                      return_finish_reason=True, abort_key=self.abort_key)
         self.client.async_stream_infer("llm", [tensor(k, v) for k, v in values.items()],
                                        request_id=self.request_id, enable_empty_final_response=True)
 
@@ -132,7 +133,8 @@ class Stream:
     def stop(self) -> float:
         """Send the stop request on this stream; returns when it was sent."""
         sent = time.perf_counter()
-        self.client.async_stream_infer("llm", [tensor("abort_request_id", self.request_id)],
+        stop = stop_inputs(self.request_id, self.abort_key)
+        self.client.async_stream_infer("llm", [tensor(k, v) for k, v in stop.items()],
                                        request_id=f"{self.request_id}-stop", enable_empty_final_response=True)
         return sent
 

@@ -11,6 +11,18 @@ up `python3` on PATH. So this interpreter's bin directory goes first on PATH (in
 environment that makes the stub use the environment's site-packages, not the base Python's), and
 PYTHONPATH (this repository, then site-packages) is applied by the models' own `model.py`.
 
+What the server lets a client do (README "Security"):
+- It listens on `host` (127.0.0.1 unless told otherwise; each endpoint can have its own address).
+- The model-repository API (load, unload, index) and the logging, trace and shared-memory APIs
+  are restricted to requests carrying the header ADMIN_HEADER with the admin key: the operator's
+  SPECSERVE_ADMIN_KEY, or a fresh random key per start, kept in the handle and never printed. A
+  client that could load a model could run any Python in the server; llm_engine's own unload on
+  an engine failure goes through the server's in-process API and needs no key.
+- SPECSERVE_FAULT_INJECTION (test-only engine faults) is never passed on from this process's
+  environment; a test hands it over explicitly (`extra_env`).
+- The models' IPC sockets live in a private directory made for each start (mode 0700, an
+  unpredictable name: serving/runtime_directory.py), removed when the server stops.
+
     python -m serving.launcher --http-port 8000 --grpc-port 8001 --metrics-port 8002
 """
 from __future__ import annotations
@@ -18,12 +30,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,9 +45,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from serving.runtime_directory import RUNTIME_DIR_VARIABLE
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
+ADMIN_HEADER = "specserve-admin-key"  # the HTTP header that carries the admin key
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # its gRPC metadata key, as tritonserver names it
+ADMIN_KEY_VARIABLE = "SPECSERVE_ADMIN_KEY"
+# What a client may use only with the admin key: loading a model runs its code in the server,
+# trace and logging settings write files and expose requests, a registered shared-memory region
+# can name the Python backend's own regions.
+RESTRICTED_APIS = ("model-repository", "logging", "trace", "shared-memory")
+TEST_ONLY_VARIABLES = ("SPECSERVE_FAULT_INJECTION",)  # never inherited, only passed by `extra_env`
+ANY_ADDRESS = ("0.0.0.0", "::", "")
 
 
 class LaunchError(RuntimeError):
@@ -55,8 +80,10 @@ class ServerHandle:
     http_port: int
     grpc_port: int
     metrics_port: int
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where clients of this process reach it
     log_path: Path | None = None
+    admin_key: str = field(default="", repr=False)  # for the restricted APIs (ADMIN_HEADER)
+    runtime_dir: Path | None = None  # the models' private directory, removed by stop()
 
     @property
     def http_url(self) -> str:
@@ -78,6 +105,16 @@ class ServerHandle:
             return ""
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """HTTP headers for the restricted APIs, e.g. loading a model."""
+        return {ADMIN_HEADER: self.admin_key}
+
+    @property
+    def grpc_admin_headers(self) -> dict[str, str]:
+        """The same as gRPC metadata."""
+        return {GRPC_ADMIN_HEADER: self.admin_key}
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -86,6 +123,8 @@ class ServerHandle:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.runtime_dir is not None:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
         return self.process.returncode
 
     def __enter__(self) -> ServerHandle:
@@ -176,7 +215,7 @@ def _prepare_backend_directory(dist: Path, stub: Path) -> Path:
 
 
 def server_environment(server: Tritonserver) -> dict[str, str]:
-    env = os.environ.copy()
+    env = {k: v for k, v in os.environ.items() if k not in TEST_ONLY_VARIABLES and k != ADMIN_KEY_VARIABLE}
     lib_path = server.library_path + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
     if lib_path:
         env["LD_LIBRARY_PATH"] = ":".join(lib_path)
@@ -198,7 +237,13 @@ def server_command(
     log_verbose: int = 0,
     log_level: str = "info",
     exit_timeout: int = 30,
+    admin_key: str = "",
+    http_address: str = "127.0.0.1",
+    grpc_address: str = "127.0.0.1",
+    metrics_address: str = "127.0.0.1",
 ) -> list[str]:
+    if not admin_key:
+        raise LaunchError("an admin key is needed: the model-repository API is never left open")
     levels = ("error", "warning", "info")
     if log_level not in levels:
         raise LaunchError(f"log level must be one of {levels}, got {log_level!r}")
@@ -206,9 +251,14 @@ def server_command(
     cmd = [
         str(server.binary),
         f"--model-repository={model_repository}",
+        f"--http-address={http_address}",
         f"--http-port={http_port}",
+        f"--grpc-address={grpc_address}",
         f"--grpc-port={grpc_port}",
+        f"--metrics-address={metrics_address}",
         f"--metrics-port={metrics_port}",
+        f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={admin_key}",
+        f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={admin_key}",
         "--allow-metrics=true",
         "--allow-gpu-metrics=false",
         "--disable-auto-complete-config",  # the configs are complete; skips a stub start per model
@@ -237,22 +287,32 @@ def start_server(
     exit_timeout: int = 30,
     extra_env: dict[str, str] | None = None,
     crash_retries: int = 1,
+    host: str = "127.0.0.1",
+    http_address: str | None = None,
+    grpc_address: str | None = None,
+    metrics_address: str | None = None,
+    admin_key: str | None = None,
 ) -> ServerHandle:
     """Start tritonserver and wait until /v2/health/ready answers 200. A server killed by a
     signal before it is ready is started again, up to `crash_retries` times.
 
     `log_file`: a path (the server's stdout and stderr are written there), an open file, or None
-    (inherit this process's stdout and stderr).
+    (inherit this process's stdout and stderr). `host`: the address every endpoint binds to,
+    unless its own (`http_address`, ...) is given. `admin_key`: the key of the restricted APIs
+    (None: a fresh random one, in the handle).
     """
     model_repository = Path(model_repository).resolve()
     if not model_repository.is_dir():
         raise LaunchError(f"model repository not found: {model_repository}")
     server = find_tritonserver()
+    admin_key = admin_key or secrets.token_urlsafe(32)
+    addresses = [address or host for address in (http_address, grpc_address, metrics_address)]
     cmd = server_command(
         server, model_repository, http_port, grpc_port, metrics_port, log_verbose, log_level,
-        exit_timeout,
+        exit_timeout, admin_key, *addresses,
     )
-    env = server_environment(server) | (extra_env or {})
+    runtime_dir = Path(tempfile.mkdtemp(prefix="specserve-"))  # mode 0700, a name nobody can guess
+    env = server_environment(server) | {RUNTIME_DIR_VARIABLE: str(runtime_dir)} | (extra_env or {})
     log_path = Path(log_file) if isinstance(log_file, (str, Path)) else None
     out = open(log_path, "ab") if log_path else log_file  # noqa: SIM115
     try:
@@ -262,19 +322,24 @@ def start_server(
     finally:
         if log_path:
             out.close()  # the child holds its own descriptor
-    handle = ServerHandle(process, http_port, grpc_port, metrics_port, log_path=log_path)
+    reach = "127.0.0.1" if addresses[0] in ANY_ADDRESS else addresses[0]
+    handle = ServerHandle(process, http_port, grpc_port, metrics_port, host=reach, log_path=log_path,
+                          admin_key=admin_key, runtime_dir=runtime_dir)
     deadline = time.monotonic() + ready_timeout
     while not handle.is_ready():
         if process.poll() is not None:
             if process.returncode < 0 and crash_retries > 0:
                 # the python backend can abort while starting its stubs on a starved CPU
                 # (boost::interprocess::lock_exception, SIGABRT); a second start succeeds
+                shutil.rmtree(runtime_dir, ignore_errors=True)
                 return start_server(
                     model_repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                     log_verbose=log_verbose, log_level=log_level, log_file=log_file,
                     ready_timeout=ready_timeout, exit_timeout=exit_timeout, extra_env=extra_env,
-                    crash_retries=crash_retries - 1,
+                    crash_retries=crash_retries - 1, host=host, http_address=http_address,
+                    grpc_address=grpc_address, metrics_address=metrics_address, admin_key=admin_key,
                 )
+            shutil.rmtree(runtime_dir, ignore_errors=True)
             raise LaunchError(
                 f"tritonserver exited with code {process.returncode} before it was ready"
                 + (f"; log tail:\n{handle.log_tail()}" if log_path else "")
@@ -311,8 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--openai-port", type=int, default=9000,
                         help="the OpenAI-compatible API (serving/openai_server.py); 0: off")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the address every endpoint binds to (0.0.0.0: every interface, as in a container)")
+    for endpoint in ("http", "grpc", "metrics", "openai"):
+        parser.add_argument(f"--{endpoint}-address", help=f"the {endpoint} endpoint's own bind address (default: --host)")
+    parser.add_argument("--reload-engine", action=argparse.BooleanOptionalAction, default=True,
+                        help="load llm_engine again (with a backoff) when its engine dies; exit 1 if that keeps failing")
     args = parser.parse_args(argv)
 
+    admin_key = os.environ.get(ADMIN_KEY_VARIABLE, "")  # else a random one that nobody is shown
     try:
         handle = start_server(
             args.model_repository,
@@ -323,39 +395,62 @@ def main(argv: list[str] | None = None) -> int:
             args.log_level,
             ready_timeout=args.ready_timeout,
             exit_timeout=args.exit_timeout,
+            host=args.host,
+            http_address=args.http_address,
+            grpc_address=args.grpc_address,
+            metrics_address=args.metrics_address,
+            admin_key=admin_key or None,
         )
     except LaunchError as e:
         print(f"specserve-serve: {e}", file=sys.stderr)
         return 1
 
     openai = None
-    if args.openai_port:  # beside tritonserver, stopped with it
+    if args.openai_port:  # beside tritonserver, stopped with it; SPECSERVE_API_KEY reaches it from here
         openai = subprocess.Popen([sys.executable, "-m", "serving.openai_server", "--triton", handle.grpc_url,
-                                   "--port", str(args.openai_port)], cwd=REPO_ROOT)
+                                   "--host", args.openai_address or args.host, "--port", str(args.openai_port)],
+                                  cwd=REPO_ROOT, env={k: v for k, v in os.environ.items() if k != ADMIN_KEY_VARIABLE})
+    gave_up = threading.Event()
+    supervisor = None
+    if args.reload_engine:
+        from serving.supervisor import EngineSupervisor
+
+        def give_up() -> None:
+            gave_up.set()
+            handle.process.send_signal(signal.SIGTERM)
+
+        supervisor = EngineSupervisor(handle, give_up, log=lambda line: print(line, file=sys.stderr, flush=True)).start()
 
     def forward(signum, _frame):
+        if supervisor is not None:
+            supervisor.stopping.set()  # a server shutting down is not reloaded
         for process in (handle.process, openai):
             if process is not None and process.poll() is None:
                 process.send_signal(signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    openai_line = f"  OpenAI   http://localhost:{args.openai_port}/v1 (model specserve)\n" if openai else ""
+    openai_line = f"  OpenAI   http://{handle.host}:{args.openai_port}/v1 (model specserve)\n" if openai else ""
+    admin = f"from {ADMIN_KEY_VARIABLE}" if admin_key else f"closed (set {ADMIN_KEY_VARIABLE} to use it)"
     print(
         f"\nspecserve is ready: model `llm`\n"
         f"  HTTP     http://{handle.http_url}/v2/models/llm/generate_stream\n"
         f"  gRPC     {handle.grpc_url}\n"
         f"{openai_line}"
         f"  metrics  {handle.metrics_url}\n"
+        f"  model-repository API  {admin}\n"
         f'  try      python -m client.cli "Once upon a time" --max-tokens 64 '
         f"--url {handle.grpc_url}\n",
         flush=True,
     )
     code = handle.process.wait()
+    if supervisor is not None:
+        supervisor.stop()
     if openai is not None:
         openai.terminate()
         openai.wait()
-    return code
+    handle.stop()  # removes the runtime directory
+    return 1 if gave_up.is_set() else code
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ wait their turn here, in arrival order, and can be cancelled while they wait.
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import time
 import traceback
@@ -59,6 +60,7 @@ class Relay:
 
     sender: object  # the client's pb_utils.InferenceResponseSender
     engine_request_id: str  # the Triton request id of the forwarded request; aborts name it
+    abort_key: str = field(default_factory=lambda: secrets.token_hex(16))  # and prove they come from here
     next_check: float = 0.0  # time.monotonic() of the next is_cancelled() check
     aborted: bool = False  # an abort went to llm_engine; nothing more is relayed
     finished: bool = False  # the client has had its COMPLETE_FINAL
@@ -98,6 +100,8 @@ class TritonPythonModel:
         for request in requests:
             inputs = {}
             for name in self.input_names:
+                if name == "abort_key":
+                    continue  # a closed stream stops requests here; the engine request has its own key
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy().copy()  # the worker outlives the request
@@ -144,7 +148,8 @@ class TritonPythonModel:
             model_name=ENGINE_MODEL,
             # errors in band: the python backend never hands this model an error response that
             # follows another response from llm_engine (the stream would never end)
-            inputs=[pb_utils.Tensor(n, a) for n, a in request.engine_inputs(in_band_errors=True).items()],
+            inputs=[pb_utils.Tensor(n, a) for n, a in request.engine_inputs(in_band_errors=True).items()]
+            + [pb_utils.Tensor("abort_key", np.array([relay.abort_key.encode()], dtype=np.object_))],
             requested_output_names=ENGINE_OUTPUTS,
             request_id=relay.engine_request_id,
         )
@@ -231,7 +236,7 @@ class TritonPythonModel:
             if relay.aborted:
                 return
             relay.aborted = True
-        if not abort_everywhere(ENGINE_MODEL, relay.engine_request_id):
+        if not abort_everywhere(ENGINE_MODEL, relay.engine_request_id, relay.abort_key):
             pb_utils.Logger.log_error(f"llm: no {ENGINE_MODEL} instance took the abort of {relay.engine_request_id}")
 
     def finalize(self):

@@ -16,8 +16,9 @@ tritonserver 2.51's python backend never hands a BLS caller an error response th
 response (the caller waits for ever). An error as the first response reaches it.
 
 A request carrying `abort_request_id` is a control request: it aborts the requests in flight that
-were sent with that Triton request id, on whichever instance holds them (serving/abort_channel.py;
-the engine frees their KV blocks at once), and gets one empty final response. The models in front
+were sent with that Triton request id and the same `abort_key` (serving/abort_key.py: only the
+sender knows it), on whichever instance holds them (serving/abort_channel.py; the engine frees
+their KV blocks at once), and gets one empty final response. The models in front
 (preprocessing for `llm`, llm_bls) deliver their aborts through the same channel themselves, so
 that an abort never waits in Triton's queue.
 
@@ -59,8 +60,10 @@ from backend.fault_injection import fault_hook_from_env
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams
 from serving.abort_channel import AbortListener, abort_everywhere, instances_directory
+from serving.abort_key import checked_abort_key, key_digest, proves
 from serving.admission_gate import AdmissionGate
 from serving.device_map import check_nodes, instance_device, instance_placement
+from serving.early_aborts import EarlyAborts
 from serving.engine_metrics import EngineMetrics
 from serving.sender_lane import PendingSend, SenderLane
 
@@ -70,9 +73,6 @@ PATH_PARAMETERS = ("model", "tokenizer", "draft_model")  # relative to this mode
 # turns: with hundreds queued, checking all of them every poll cost ~10% of the throughput.
 POLL_INTERVAL_S = 0.05
 CANCEL_CHECKS_PER_POLL = 16
-# An abort can overtake the request it names (the two travel through tritonserver separately);
-# for this long, a request arriving with an aborted id that matched nothing is aborted on arrival.
-EARLY_ABORT_MEMORY_S = 10.0
 # Sends are spread over this many lanes; a send that has waited SEND_TIMEOUT_S (a healthy one takes
 # well under a millisecond) marks its receiver stuck: its lane is replaced, its request abandoned.
 NUM_SENDER_LANES = 4
@@ -96,6 +96,7 @@ class RequestState:
     sender: object  # pb_utils.InferenceResponseSender
     lane: int  # index of the sender lane that sends its responses
     triton_request_id: str  # the id the client gave the request ("" if none), for abort_request_id
+    abort_key_digest: bytes  # SHA-256 of the request's abort_key (b"": no stop request can end it)
     options: dict  # stream, exclude_input_in_output, return_* flags (see preprocessing)
     prompt_text: str
     arrival: float  # time.monotonic() when execute() received the request
@@ -149,10 +150,7 @@ class TritonPythonModel:
             {"model": args["model_name"], "version": args["model_version"], "model_instance": self.instance_name}
         )
         self.requests: dict[str, RequestState] = {}  # request id -> state; sender thread owns it
-        # Triton request id -> time.monotonic() until which a request arriving with it is aborted
-        # on arrival (an abort that found nothing in flight); under its lock
-        self.early_aborts: dict[str, float] = {}
-        self.early_aborts_lock = threading.Lock()
+        self.early_aborts = EarlyAborts()  # stops that found nothing in flight (yet)
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # (time, RequestOutput) or _STOP
         self.cancel_cursor = 0  # where the next cancellation poll starts in self.requests
         self.loop.start()
@@ -188,23 +186,25 @@ class TritonPythonModel:
         arrival = time.monotonic()
         sender = request.get_response_sender()
         abort_request_id = _text(request, "abort_request_id")
+        abort_key = checked_abort_key(_text(request, "abort_key"))
         if abort_request_id:
+            if not abort_key:
+                raise ValidationError("abort_key", "required with abort_request_id: the abort_key sent with the request to stop")
             delivered = (_json_object(request, "request_options") or {}).get("abort_delivered") is True
-            if not delivered and not abort_everywhere(self.model_name, abort_request_id):
-                self._abort_by_triton_id(abort_request_id)  # no listener answered: this instance at least
+            if not delivered and not abort_everywhere(self.model_name, abort_request_id, abort_key):
+                self._abort_by_triton_id(abort_request_id, abort_key)  # no listener answered: this instance at least
             sender.send(flags=FINAL)
             return
         triton_request_id = request.request_id()
-        with self.early_aborts_lock:
-            aborted_early = self.early_aborts.pop(triton_request_id, 0.0) > arrival
-        if aborted_early:
+        digest = key_digest(abort_key)
+        if digest and self.early_aborts.take(triton_request_id, digest, arrival):
             sender.send(flags=FINAL)
             return
         request_id = uuid.uuid4().hex
         try:
             prompt_ids, params, options, prompt_text = _engine_request(request)
             lane = next(self.next_lane) % NUM_SENDER_LANES
-            state = RequestState(request_id, sender, lane, triton_request_id, options, prompt_text, arrival)
+            state = RequestState(request_id, sender, lane, triton_request_id, digest, options, prompt_text, arrival)
             state.echo_pending = not options.get("exclude_input_in_output", True)
             self.requests[request_id] = state  # before submit: outputs may come back at once
             self.gate.taken()
@@ -214,23 +214,20 @@ class TritonPythonModel:
                 self.gate.started()  # it never will
             _refuse(sender, e)
 
-    def _abort_by_triton_id(self, triton_request_id: str) -> None:
-        """Abort every request in flight sent with this Triton request id (on the abort channel's
-        thread). The engine ends each with a final output (finish_reason "abort"), which the
-        sender thread passes on."""
+    def _abort_by_triton_id(self, triton_request_id: str, abort_key: str) -> None:
+        """Abort every request in flight sent with this Triton request id and abort key (on the
+        abort channel's thread). The engine ends each with a final output (finish_reason "abort"),
+        which the sender thread passes on. A stop that matches nothing is remembered a while."""
         try:
             engine_ids = [
                 request_id
                 for request_id, state in list(self.requests.items())
-                if state.triton_request_id == triton_request_id
+                if state.triton_request_id == triton_request_id and proves(state.abort_key_digest, abort_key)
             ]
             for request_id in engine_ids:
                 self.loop.abort(request_id)
-            if not engine_ids:
-                now = time.monotonic()
-                with self.early_aborts_lock:
-                    self.early_aborts = {k: t for k, t in self.early_aborts.items() if t > now}
-                    self.early_aborts[triton_request_id] = now + EARLY_ABORT_MEMORY_S
+            if not engine_ids and abort_key:
+                self.early_aborts.remember(triton_request_id, key_digest(abort_key))
         except Exception as e:
             pb_utils.Logger.log_error(f"llm_engine: abort of {triton_request_id!r} failed: {_traceback(e)}")
 

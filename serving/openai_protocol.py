@@ -28,12 +28,12 @@ class OpenAIError(Exception):
     """An OpenAI-shaped error: {"error": {"message", "type", "param", "code"}} with its status."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.status, self.param, self.kind = status, param, kind
+        self.status, self.param, self.kind, self.code = status, param, kind, code
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass(slots=True)

@@ -6,13 +6,18 @@ streaming: a whole answer is gathered here). A client that goes away mid-request
 stopped on the server (a stop request naming it, README "Stopping a request"), so its KV cache is
 freed at once. Translation both ways: serving/openai_protocol.py.
 
-    python -m serving.openai_server --triton localhost:8001 --port 9000
+Every request passes serving/openai_guard.py first: the API key, JSON bodies only, the body's size
+and nesting, and a bound on requests in flight.
+
+    SPECSERVE_API_KEY=... python -m serving.openai_server --triton localhost:8001 --port 9000
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +29,22 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from client.stream import ENSEMBLE_ERROR_PREFIX, INPUT_TYPES, OUTPUTS, STOP_INPUT, grpc_inputs, request_inputs
+from client.stream import (
+    ENSEMBLE_ERROR_PREFIX,
+    INPUT_TYPES,
+    OUTPUTS,
+    STOP_INPUT,
+    grpc_inputs,
+    request_inputs,
+    stop_inputs,
+)
+from serving.openai_guard import (
+    API_KEY_ENV,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    GuardConfig,
+    OpenAIGuard,
+)
 from serving.openai_protocol import (
     Accumulator,
     GenerationRequest,
@@ -47,6 +67,7 @@ class TritonGeneration:
     def __init__(self, client: aio_grpcclient.InferenceServerClient, inputs: dict[str, Any]):
         self.client = client
         self.request_id = uuid.uuid4().hex
+        self.abort_key = str(inputs["abort_key"])  # request_inputs made a fresh one: only this server can stop it
         self.outgoing: asyncio.Queue = asyncio.Queue()  # requests to send; None ends the stream
         self.outgoing.put_nowait(_request(self.request_id, _tensors(inputs)))
         self.incoming: asyncio.Queue = asyncio.Queue()  # outputs by name, or an OpenAIError
@@ -93,7 +114,7 @@ class TritonGeneration:
         """Have the server stop this request (its client went away)."""
         if self.done.is_set():
             return
-        self.outgoing.put_nowait(_request(f"{self.request_id}-stop", _tensors({"abort_request_id": self.request_id})))
+        self.outgoing.put_nowait(_request(f"{self.request_id}-stop", _tensors(stop_inputs(self.request_id, self.abort_key))))
         try:
             await asyncio.wait_for(self.done.wait(), STOP_WAIT_S)
         except asyncio.TimeoutError:
@@ -153,8 +174,9 @@ class TritonClient:
         return self.client
 
 
-def create_app(triton_url: str, served_model: str) -> FastAPI:
+def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = None) -> FastAPI:
     app = FastAPI(title="specserve OpenAI-compatible API")
+    app.add_middleware(OpenAIGuard, config=guard or GuardConfig())
     triton = TritonClient(triton_url)
 
     @app.exception_handler(OpenAIError)
@@ -310,11 +332,27 @@ class Reply:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--triton", default="localhost:8001", help="tritonserver's gRPC address")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--served-model-name", default="specserve", help="the model name clients send")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"clients must send `Authorization: Bearer KEY` (every route but /health); default: "
+                        f"${API_KEY_ENV}, else no key. Prefer the variable: a flag shows in `ps`")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="a larger body is a 413 before it is read on: this bounds the memory each request "
+                        "holds; 1 MiB (the default) holds a prompt of some 250k tokens")
+    p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+                   help="generation requests in flight (streams until their last event); more get a 429 "
+                        "with Retry-After at once. Far above what the engine batches, it bounds the "
+                        "connections, bodies and gRPC streams held (default: %(default)s)")
     args = p.parse_args()
-    uvicorn.run(create_app(args.triton, args.served_model_name), host=args.host, port=args.port,
+    try:
+        guard = GuardConfig(args.api_key, args.max_body_bytes, args.max_concurrent_requests)
+    except ValueError as e:
+        p.error(str(e))
+    if guard.api_key is None:
+        logging.warning("no API key (--api-key or $%s): anyone who reaches port %d can use it", API_KEY_ENV, args.port)
+    uvicorn.run(create_app(args.triton, args.served_model_name, guard), host=args.host, port=args.port,
                 log_level="warning", timeout_graceful_shutdown=2)
 
 

@@ -3,9 +3,10 @@
 The work itself is preprocessor.Preprocessor, which `llm_bls` runs in-process too; this model
 serves it as the first step of the `llm` ensemble.
 
-A request with `abort_request_id` is a stop request for the `llm` request sent with that id: this
-model delivers the abort to every llm_engine instance itself (serving/abort_channel.py), at once,
-and passes the request on marked as delivered; llm_engine answers it with an empty final response.
+A request with `abort_request_id` is a stop request for the `llm` request sent with that id and
+the same `abort_key` (serving/abort_key.py): this model delivers the stop to every llm_engine
+instance itself (serving/abort_channel.py), at once, and passes the request on marked as delivered;
+llm_engine answers it with an empty final response. A generation request's key is passed on.
 tritonserver 2.51 never tells llm_engine that a client cancelled its `llm` request, so this is how
 a client stops one.
 """
@@ -20,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.errors import INTERNAL_ERROR, ValidationError
 from serving.abort_channel import ENGINE_MODEL, abort_everywhere
+from serving.abort_key import checked_abort_key
 from serving import trtllm_inputs
 from serving.preprocessor import Preprocessor
 from serving.request_inputs import scalar_text, triton_parameters
@@ -71,17 +73,25 @@ class TritonPythonModel:
                 inputs[name] = tensor.as_numpy()
         abort = inputs.pop("abort_request_id", None)
         abort_request_id = "" if abort is None else scalar_text("abort_request_id", abort)
+        key = inputs.pop("abort_key", None)
+        abort_key = checked_abort_key("" if key is None else scalar_text("abort_key", key))
         options = {}
         if self.tensorrt_llm_inputs:
             inputs, options = trtllm_inputs.llm_inputs(inputs)
         if abort_request_id:
-            if not abort_everywhere(ENGINE_MODEL, abort_request_id):
+            if not abort_key:
+                raise ValidationError("abort_key", "required with abort_request_id: the abort_key sent with the request to stop")
+            if not abort_everywhere(ENGINE_MODEL, abort_request_id, abort_key):
                 pb_utils.Logger.log_error(f"preprocessing: no {ENGINE_MODEL} instance took the abort")
-            engine_inputs = DELIVERED_ABORT | {"abort_request_id": np.array([abort_request_id.encode()], dtype=np.object_)}
+            engine_inputs = DELIVERED_ABORT | {"abort_request_id": _text(abort_request_id), "abort_key": _text(abort_key)}
         else:
             preprocessed = self.preprocessor(inputs, triton_parameters(request))
             for name, value in options.items():
                 setattr(preprocessed.options, name, value)
-            engine_inputs = preprocessed.engine_inputs() | {"abort_request_id": np.array([b""], dtype=np.object_)}
+            engine_inputs = preprocessed.engine_inputs() | {"abort_request_id": _text(""), "abort_key": _text(abort_key)}
         outputs = [pb_utils.Tensor(n, a) for n, a in engine_inputs.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
+
+
+def _text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)

@@ -42,8 +42,9 @@ class PreprocessedRequest:
 
 class Preprocessor:
     def __init__(self, tokenizer_dir: Path, max_model_len: int):
-        self.tokenizer_dir = tokenizer_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.tokenizer_dir = _local_dir(tokenizer_dir)
+        # local only: a name that is not a directory here must never become a hub download
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True)
         self.max_model_len = max_model_len
         # no prompt longer than this can fit the context: it is refused before tokenizing
         self.max_prompt_bytes = max_model_len * _longest_token_bytes(self.tokenizer)
@@ -55,6 +56,7 @@ class Preprocessor:
         tokenizer_dir = Path(parameters.get("tokenizer", DEFAULT_TOKENIZER))
         if not tokenizer_dir.is_absolute():
             tokenizer_dir = repository / tokenizer_dir
+        tokenizer_dir = _local_dir(tokenizer_dir)
         max_model_len = _max_model_len(tokenizer_dir, parameters.get("max_model_len", ""))
         return cls(tokenizer_dir, max_model_len)
 
@@ -94,6 +96,16 @@ def _longest_token_bytes(tokenizer) -> int:
     decoded = tokenizer.batch_decode([[i] for i in ids])
     written = tokenizer.convert_ids_to_tokens(ids)
     return max(max(len(d.encode("utf-8")), len((w or "").encode("utf-8"))) for d, w in zip(decoded, written))
+
+
+def _local_dir(path: Path | str) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"tokenizer directory {path} is not a directory; the `tokenizer` parameter is a local "
+            "directory (absolute, or relative to the model repository), never a Hugging Face hub name"
+        )
+    return path
 
 
 def _bytes(text: str) -> np.ndarray:

@@ -1,14 +1,17 @@
 """The engine core in its own process (EngineCoreClient): the same outputs as the engine in this
 process, bad requests refused at once, a dead core ends every request with ENGINE_DEAD, and no
-process outlives the client."""
+process outlives the client; its sockets are in a private directory, and a crafted message on
+either runs nothing and stops nothing."""
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import threading
 import time
 
 import pytest
+import zmq
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
@@ -16,6 +19,7 @@ from backend.engine_core_client import EngineCoreClient
 from backend.engine_loop import EngineLoop
 from backend.errors import ENGINE_DEAD, EngineDeadError, ValidationError
 from backend.sampling_params import SamplingParams
+from tests.unit.test_wire import crafted_pickle
 
 
 class Collector:
@@ -110,3 +114,35 @@ def test_a_core_that_cannot_start_says_why(config, tmp_path):
     config.model = str(tmp_path)  # past the config's checks: no checkpoint there
     with pytest.raises(RuntimeError, match="failed to start"):
         EngineCoreClient(config)
+
+
+def test_the_sockets_live_in_a_private_directory_removed_at_shutdown(config):
+    client = EngineCoreClient(config)
+    try:
+        directory = client.directory
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert str(os.getpid()) not in os.path.basename(directory)
+        assert sorted(os.listdir(directory)) == ["outputs", "requests"]
+    finally:
+        client.shutdown()
+    assert not os.path.exists(directory)
+
+
+def test_a_crafted_pickle_on_either_socket_runs_nothing_and_the_core_serves_on(config, tmp_path):
+    marker = tmp_path / "marker"
+    client = EngineCoreClient(config)
+    intruder = zmq.Context().socket(zmq.PUSH)
+    try:
+        with client._send_lock:  # at the core's requests socket
+            client.requests.send(crafted_pickle(marker))
+            client.requests.send(b"\x92\xa3add\xa2r0")  # msgpack ["add", "r0"]: no request either
+        intruder.connect(f"ipc://{client.directory}/outputs")  # at the client's outputs socket
+        intruder.send(crafted_pickle(marker))
+        got = run(client, requests()[:2])
+        assert {rid: o.finish_reason for rid, o in got.final.items()} == {"r0": "length", "r1": "length"}
+        assert not marker.exists()
+        assert client.process.poll() is None and not client.dead
+    finally:
+        intruder.close(linger=0)
+        client.shutdown()
+    assert client.process.returncode == 0

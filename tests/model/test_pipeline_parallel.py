@@ -16,9 +16,10 @@ import torch
 
 from backend.attention import TorchAttention
 from backend.config import EngineConfig
+from backend.distributed import RANK_SECRET_VARIABLE
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
-from backend.errors import ENGINE_DEAD, ValidationError
+from backend.errors import ENGINE_DEAD, FatalEngineError, ValidationError
 from backend.model_loader import load_model
 from backend.model_runner import ModelRunner, StepInput
 from backend.node import VARIABLES
@@ -225,18 +226,24 @@ def test_a_dead_stage_ends_every_request(four_layers):
     loop.shutdown()
 
 
+TEST_RANK_SECRET = "5ec2e7" * 8  # the operator's SPECSERVE_RANK_SECRET on every node
+
+
 def start_node(port: int, world_size: int, local_world_size: int, node_rank: int) -> subprocess.Popen:
-    """`python -m backend.node` with torchrun's rendezvous variables, as on another host."""
+    """`python -m backend.node` with torchrun's rendezvous variables and the ranks' secret, as on
+    another host."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                LOCAL_WORLD_SIZE=str(local_world_size), NODE_RANK=str(node_rank))
+    env[RANK_SECRET_VARIABLE] = TEST_RANK_SECRET
     return subprocess.Popen([sys.executable, "-m", "backend.node"], env=env)
 
 
-def test_a_second_node_serves_its_stage_and_its_death_ends_every_request(four_layers, expected):
+def test_a_second_node_serves_its_stage_and_its_death_ends_every_request(four_layers, expected, monkeypatch):
     """TP=2 x PP=2 over two "nodes": this process's engine and its worker are stage 0, a node
     command started on its own holds stage 1. Its tokens are one rank's; killing the node ends
     every request with the engine's error within seconds."""
     prompts, max_tokens, greedy, _ = expected
+    monkeypatch.setenv(RANK_SECRET_VARIABLE, TEST_RANK_SECRET)
     port = free_port()
     config = EngineConfig(model=str(four_layers), tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2,
                           master_port=port)
@@ -266,3 +273,24 @@ def test_the_node_command_explains_its_variables():
                          env={k: v for k, v in os.environ.items() if k not in VARIABLES})
     assert out.returncode == 2
     assert "set MASTER_ADDR, MASTER_PORT, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK" in out.stderr
+
+
+@pytest.mark.parametrize("secret", [None, "not hex", "abcd"])
+def test_the_node_command_needs_the_ranks_secret(secret):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+               NODE_RANK="1")
+    env.pop(RANK_SECRET_VARIABLE, None)
+    if secret is not None:
+        env[RANK_SECRET_VARIABLE] = secret
+    out = subprocess.run([sys.executable, "-m", "backend.node"], capture_output=True, text=True, env=env)
+    assert out.returncode == 2
+    assert f"{RANK_SECRET_VARIABLE} must be set, to the same value on every node" in out.stderr
+    assert secret is None or secret not in out.stderr  # never echoed
+
+
+def test_an_engine_over_several_nodes_needs_the_ranks_secret(four_layers, monkeypatch):
+    monkeypatch.delenv(RANK_SECRET_VARIABLE, raising=False)
+    config = EngineConfig(model=str(four_layers), pipeline_parallel_size=2, nnodes=2, master_port=free_port())
+    with pytest.raises(FatalEngineError, match=f"a world of 2 nodes needs the ranks' secret: "
+                                               f"{RANK_SECRET_VARIABLE} must be set"):
+        LLMEngine(config)

@@ -7,11 +7,16 @@ tested end to end.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +158,40 @@ def start_test_server(root: Path, fault_injection: str, parameters: dict[str, st
         extra_env={"SPECSERVE_FAULT_INJECTION": fault_injection},
     )
     return Server(handle, model_dir)
+
+
+@contextmanager
+def openai_server(server: Server, *args: str, env: dict[str, str] | None = None, secret: str = ""):
+    """`python -m serving.openai_server` in front of `server` on a free port: its base URL once
+    /health answers. `secret` (an API key) must not appear in what it logs."""
+    port = free_port()
+    log = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "serving.openai_server", "--triton", server.grpc_url, "--port", str(port),
+         "--host", "127.0.0.1", *args], cwd=Path(__file__).parents[2], env=os.environ | (env or {}),
+        stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert time.monotonic() < deadline and process.poll() is None, "the OpenAI server did not start"
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.seek(0)
+        assert not secret or secret not in log.read()
+        log.close()
 
 
 @pytest.fixture(scope="session")

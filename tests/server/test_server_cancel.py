@@ -18,6 +18,7 @@ pytestmark = pytest.mark.server
 
 ABORTED = 'specserve_request_success_total{finish_reason="abort"}'
 LENGTH = 'specserve_request_success_total{finish_reason="length"}'
+ABORT_KEY = "k3y-of-the-sender-0123456789"  # what the sender attached to the request it may stop
 
 
 def _idle(samples: dict[str, float]) -> bool:
@@ -155,6 +156,7 @@ def test_abort_request_id_aborts_the_engine_request_sent_with_that_id(server, to
         _tensor("input_ids", np.array(prompt_ids, dtype=np.int32), "INT32"),
         _tensor("sampling_params", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
         _tensor("request_options", np.array([json.dumps(options).encode()], dtype=np.object_), "BYTES"),
+        _tensor("abort_key", np.array([ABORT_KEY.encode()], dtype=np.object_), "BYTES"),
     ]
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -163,11 +165,12 @@ def test_abort_request_id_aborts_the_engine_request_sent_with_that_id(server, to
     result, error = responses.get(timeout=120)
     assert error is None
 
-    control = _tensor("abort_request_id", np.array([b"to-abort"], dtype=np.object_), "BYTES")
+    control = [_tensor("abort_request_id", np.array([b"to-abort"], dtype=np.object_), "BYTES"),
+               _tensor("abort_key", np.array([ABORT_KEY.encode()], dtype=np.object_), "BYTES")]
     control_responses = []
     control_client = grpcclient.InferenceServerClient(server.grpc_url)
     control_client.start_stream(callback=lambda result, error: control_responses.append((result, error)))
-    control_client.async_stream_infer("llm_engine", [control], enable_empty_final_response=True)
+    control_client.async_stream_infer("llm_engine", control, enable_empty_final_response=True)
     control_client.stop_stream()  # waits for the control request's responses
     control_client.close()
     [(result, error)] = control_responses
@@ -231,12 +234,13 @@ def test_a_stop_request_to_llm_frees_the_requests_kv(server):
     params = _long_llm_request(server)
     options = [_tensor("max_tokens", np.array([params["max_tokens"]], dtype=np.int32), "INT32"),
                _tensor("ignore_eos", np.array([True]), "BOOL"), _tensor("stream", np.array([True]), "BOOL")]
-    client.async_stream_infer("llm", [prompt, *options], request_id="to-stop", enable_empty_final_response=True)
+    key = _tensor("abort_key", np.array([ABORT_KEY.encode()], dtype=np.object_), "BYTES")
+    client.async_stream_infer("llm", [prompt, *options, key], request_id="to-stop", enable_empty_final_response=True)
     for _ in range(3):
         result, error = responses.get(timeout=60)
         assert error is None
     stop = _tensor("abort_request_id", np.array([b"to-stop"], dtype=np.object_), "BYTES")
-    client.async_stream_infer("llm", [stop], request_id="stop", enable_empty_final_response=True)
+    client.async_stream_infer("llm", [stop, key], request_id="stop", enable_empty_final_response=True)
     ended = set()
     while ended != {"to-stop", "stop"}:
         result, error = responses.get(timeout=10)
@@ -247,6 +251,68 @@ def test_a_stop_request_to_llm_frees_the_requests_kv(server):
     client.stop_stream()
     client.close()
     _stopped_within_a_second(server, before)
+
+
+def _stop_from(server, request_id: bytes, key: bytes | None):
+    """A stop request for `request_id` sent by another client; (result, error) of its answer."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    stop = [_tensor("abort_request_id", np.array([request_id], dtype=np.object_), "BYTES")]
+    if key is not None:
+        stop.append(_tensor("abort_key", np.array([key], dtype=np.object_), "BYTES"))
+    client.async_stream_infer("llm", stop, enable_empty_final_response=True)
+    answer = answers.get(timeout=10)
+    client.stop_stream()
+    client.close()
+    return answer
+
+
+def test_a_stop_from_another_client_leaves_the_stream_running_to_its_end(server):
+    """The attack: a client that knows (or guesses) another's request id sends stops for it, with
+    no key and with a wrong one. The first is refused naming abort_key; neither ends the request,
+    which runs to max_tokens."""
+    before = server.wait_for_metrics(_idle)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    max_tokens = 24
+    inputs = [_tensor("text_input", np.array([b"Once upon a time"], dtype=np.object_), "BYTES"),
+              _tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+              _tensor("ignore_eos", np.array([True]), "BOOL"), _tensor("stream", np.array([True]), "BOOL"),
+              _tensor("return_num_output_tokens", np.array([True]), "BOOL"),
+              _tensor("return_finish_reason", np.array([True]), "BOOL"),
+              _tensor("abort_key", np.array([ABORT_KEY.encode()], dtype=np.object_), "BYTES")]
+    client.async_stream_infer("llm", inputs, request_id="victim", enable_empty_final_response=True)
+    first, error = responses.get(timeout=60)
+    assert error is None
+
+    _, error = _stop_from(server, b"victim", None)
+    assert error is not None and "abort_key" in error.message() and "required" in error.message()
+    _, error = _stop_from(server, b"victim", b"not-the-senders-key-0123")
+    assert error is None  # a stop is answered alike whether it matched or not
+
+    result, tokens = first, 0
+    while True:
+        counted = result.as_numpy("num_output_tokens")
+        tokens += int(counted.reshape(-1)[0]) if counted is not None and counted.size else 0
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+        result, error = responses.get(timeout=60)
+        assert error is None
+    client.stop_stream()
+    client.close()
+    assert result.as_numpy("finish_reason").tolist() == [b"length"]
+    assert tokens == max_tokens
+    after = server.wait_for_metrics(lambda s: _idle(s) and s[LENGTH] > before[LENGTH], timeout=10)
+    assert after[LENGTH] == before[LENGTH] + 1
+    assert after[ABORTED] == before[ABORTED]
+
+
+def test_a_malformed_abort_key_is_refused_naming_it(server):
+    result, error = _stop_from(server, b"any", b"short")
+    assert error is not None and "abort_key: must be 16 to 128" in error.message()
+    assert server.handle.is_ready()
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

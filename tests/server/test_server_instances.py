@@ -78,17 +78,20 @@ def test_stopping_streams_frees_the_kv_of_both_instances(two_instances):
 
 
 def test_a_stop_request_that_overtakes_its_request_aborts_it_on_arrival(two_instances):
-    """Sent first, the stop is remembered by every instance, whichever one the request reaches."""
+    """Sent first, the stop is remembered by every instance, whichever one the request reaches
+    (with the same abort key: the request is ended on arrival)."""
     client = grpcclient.InferenceServerClient(two_instances.grpc_url)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     stop = grpcclient.InferInput("abort_request_id", [1], "BYTES")
     stop.set_data_from_numpy(np.array([b"early"], dtype=np.object_))
-    client.async_stream_infer("llm", [stop], request_id="stop", enable_empty_final_response=True)
+    key = grpcclient.InferInput("abort_key", [1], "BYTES")
+    key.set_data_from_numpy(np.array([b"the-early-stop-key-0123"], dtype=np.object_))
+    client.async_stream_infer("llm", [stop, key], request_id="stop", enable_empty_final_response=True)
     assert responses.get(timeout=10)[1] is None
     prompt = grpcclient.InferInput("text_input", [1], "BYTES")
     prompt.set_data_from_numpy(np.array([b"Once upon a time"], dtype=np.object_))
-    client.async_stream_infer("llm", [prompt], request_id="early", enable_empty_final_response=True)
+    client.async_stream_infer("llm", [prompt, key], request_id="early", enable_empty_final_response=True)
     result, error = responses.get(timeout=10)
     assert error is None
     assert result.get_response().parameters["triton_final_response"].bool_param

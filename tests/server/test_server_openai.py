@@ -4,17 +4,13 @@ logprobs, OpenAI-shaped errors, and a client that leaves mid-stream freeing its 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 
-from tests.conftest import free_port
+from tests.server.conftest import openai_server
 
 pytestmark = pytest.mark.server
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -22,29 +18,8 @@ GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def api(server):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "serving.openai_server", "--triton", server.grpc_url, "--port", str(port),
-         "--host", "127.0.0.1"], cwd=Path(__file__).parents[2])
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            assert time.monotonic() < deadline and process.poll() is None, "the OpenAI server did not start"
-            time.sleep(0.2)
+    with openai_server(server) as base:
         yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")

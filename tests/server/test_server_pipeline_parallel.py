@@ -1,20 +1,22 @@
 """Pipeline parallelism across two "nodes" on loopback: tritonserver's llm_engine holds stage 0
 and the rendezvous, `python -m backend.node` started on its own with torchrun's variables holds
-stage 1. Streams equal one rank's; killing the node ends them with the engine's error within
-seconds, llm_engine unloads itself and the server lives on."""
+stage 1, both with the ranks' secret. Streams equal one rank's; killing the node ends them with
+the engine's error within seconds, llm_engine unloads itself and the server lives on."""
 from __future__ import annotations
 
 import pytest
 
+from backend.distributed import RANK_SECRET_VARIABLE
 from tests.conftest import free_port
-from tests.model.test_pipeline_parallel import start_node
+from tests.model.test_pipeline_parallel import TEST_RANK_SECRET, start_node
 from tests.server.conftest import start_test_server, wait_until_unloaded
 from tests.server.test_server_engine_process import PROMPTS, _kill_mid_stream, _texts
 
 pytestmark = pytest.mark.server
 
 
-def test_a_second_node_serves_stage_1_and_its_death_ends_the_streams(tmp_path, server):
+def test_a_second_node_serves_stage_1_and_its_death_ends_the_streams(tmp_path, server, monkeypatch):
+    monkeypatch.setenv(RANK_SECRET_VARIABLE, TEST_RANK_SECRET)  # tritonserver's, as the node's
     port = free_port()
     node = start_node(port, world_size=2, local_world_size=1, node_rank=1)
     try:

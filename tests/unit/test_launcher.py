@@ -70,9 +70,30 @@ def test_python_without_shared_libpython_is_a_clear_error(monkeypatch):
 
 def test_command_names_ports_and_log_level():
     server = launcher.Tritonserver(Path("/opt/tritonserver/bin/tritonserver"), Path("/b"))
-    cmd = launcher.server_command(server, Path("/repo"), 1, 2, 3, log_verbose=1, log_level="warning")
+    cmd = launcher.server_command(server, Path("/repo"), 1, 2, 3, log_verbose=1, log_level="warning", admin_key="k")
     assert "--http-port=1" in cmd and "--grpc-port=2" in cmd and "--metrics-port=3" in cmd
     assert "--log-info=false" in cmd and "--log-warning=true" in cmd and "--log-verbose=1" in cmd
     assert "--backend-directory=/b" in cmd
     with pytest.raises(launcher.LaunchError, match="log level"):
-        launcher.server_command(server, Path("/repo"), 1, 2, 3, log_level="debug")
+        launcher.server_command(server, Path("/repo"), 1, 2, 3, log_level="debug", admin_key="k")
+
+
+def test_command_binds_each_endpoint_and_restricts_the_admin_apis():
+    server = launcher.Tritonserver(Path("/opt/tritonserver/bin/tritonserver"), None)
+    cmd = launcher.server_command(server, Path("/repo"), 1, 2, 3, admin_key="s3cret", http_address="10.0.0.5",
+                                  grpc_address="127.0.0.1", metrics_address="0.0.0.0")
+    assert "--http-address=10.0.0.5" in cmd and "--grpc-address=127.0.0.1" in cmd and "--metrics-address=0.0.0.0" in cmd
+    restricted = "model-repository,logging,trace,shared-memory:specserve-admin-key=s3cret"
+    assert f"--http-restricted-api={restricted}" in cmd
+    assert f"--grpc-restricted-protocol={restricted}" in cmd
+    default = launcher.server_command(server, Path("/repo"), 1, 2, 3, admin_key="k")
+    assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(default)
+    with pytest.raises(launcher.LaunchError, match="admin key"):  # never an open repository API
+        launcher.server_command(server, Path("/repo"), 1, 2, 3, admin_key="")
+
+
+def test_test_only_faults_and_the_admin_key_are_not_inherited(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_FAULT_INJECTION", "fatal_seed=1")
+    monkeypatch.setenv("SPECSERVE_ADMIN_KEY", "s3cret")
+    env = launcher.server_environment(launcher.Tritonserver(Path("/bin/true"), None))
+    assert "SPECSERVE_FAULT_INJECTION" not in env and "SPECSERVE_ADMIN_KEY" not in env
