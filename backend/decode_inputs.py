@@ -1,5 +1,6 @@
-"""Host staging for the inputs of a decode graph: written in place each step, uploaded in one copy
-per input.
+"""Host staging for the inputs of a CUDA graph step: written in place each step, uploaded in one
+copy per input. A graph step computes the same number q of tokens for every request: 1 (decode)
+or k + 1 (a verification of k drafts each).
 
 A decode step of B requests needs B block-table rows of up to max_model_len / block_size entries;
 building them anew each step (B x max_blocks Python ints: 65,536 at B = 256, 4,096-token context)
@@ -7,7 +8,7 @@ cost more host time than the GPU spent on the step. Here each row remembers the 
 is rewritten only when the request at that row, or its table, changed: in a steady decode batch
 that is the few requests that crossed a block boundary. Entries past a row's table are left stale;
 seq_lens bounds every read, so they are never read. Padding rows (past the batch, up to the graph's
-bucket) write nowhere (slot PAD_SLOT) and read one token of block PAD_BLOCK.
+bucket) write nowhere (slot PAD_SLOT) and read q tokens of block PAD_BLOCK.
 
 On CUDA the buffers are pinned, so uploads are asynchronous; the next step waits for the last
 upload before writing them again.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from backend.host_waits import HostWaits
 from kernels.kv_cache import PAD_SLOT  # slot of a padding token: its K/V are not stored
 
 PAD_BLOCK = 0  # block id that pads block tables (never read past seq_lens)
@@ -23,36 +25,39 @@ _PAD_ROW = [PAD_BLOCK]
 
 
 class DecodeInputs:
-    def __init__(self, max_batch: int, max_blocks: int, pin: bool):
+    def __init__(self, max_batch: int, max_blocks: int, pin: bool, waits: HostWaits | None = None,
+                 max_tokens_per_row: int = 1):
         def buffer(*shape, dtype, fill):
             t = torch.full(shape, fill, dtype=dtype)
             return t.pin_memory() if pin else t
 
+        max_tokens = max_batch * max_tokens_per_row
         self.tensors = dict(
-            input_ids=buffer(max_batch, dtype=torch.int64, fill=0),
-            positions=buffer(max_batch, dtype=torch.int64, fill=0),
-            slot_mapping=buffer(max_batch, dtype=torch.int64, fill=PAD_SLOT),
+            input_ids=buffer(max_tokens, dtype=torch.int64, fill=0),
+            positions=buffer(max_tokens, dtype=torch.int64, fill=0),
+            slot_mapping=buffer(max_tokens, dtype=torch.int64, fill=PAD_SLOT),
             seq_lens=buffer(max_batch, dtype=torch.int32, fill=1),
             block_tables=buffer(max_batch, max_blocks, dtype=torch.int32, fill=PAD_BLOCK),
         )
         self._pinned = pin  # uploads are asynchronous: the next fill waits for the last one
+        self.waits = waits if waits is not None else HostWaits()
         self._arrays = {name: t.numpy() for name, t in self.tensors.items()}
         self._rows: list[list[int]] = [_PAD_ROW] * max_batch  # the table each row holds now
         self._uploaded: torch.cuda.Event | None = None
 
     def fill(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-             block_tables: list[list[int]], bucket: int) -> dict[str, torch.Tensor]:
-        """Write one decode step (one token per request) and padding up to `bucket` rows; returns
-        views of the first `bucket` rows of each buffer."""
+             block_tables: list[list[int]], bucket: int, q: int = 1) -> dict[str, torch.Tensor]:
+        """Write one graph step (q tokens per request, flat) and padding up to `bucket` rows;
+        returns views of what the graph of `bucket` rows reads."""
         if self._uploaded is not None:
-            self._uploaded.synchronize()  # the last upload has read the buffers
+            self.waits.wait(self._uploaded)  # the last upload has read the buffers
             self._uploaded = None
-        b = len(input_ids)
+        b = len(seq_lens)
         a = self._arrays
-        for name, values, pad in (("input_ids", input_ids, 0), ("positions", positions, 0),
-                                  ("slot_mapping", slots, PAD_SLOT), ("seq_lens", seq_lens, 1)):
-            a[name][:b] = values
-            a[name][b:bucket] = pad
+        for name, values, pad, rows in (("input_ids", input_ids, 0, q), ("positions", positions, 0, q),
+                                        ("slot_mapping", slots, PAD_SLOT, q), ("seq_lens", seq_lens, q, 1)):
+            a[name][: b * rows] = values
+            a[name][b * rows : bucket * rows] = pad
         tables, rows = a["block_tables"], self._rows
         for i, table in enumerate(block_tables):
             if rows[i] != table:
@@ -62,12 +67,17 @@ class DecodeInputs:
             if rows[i] is not _PAD_ROW:
                 tables[i, 0] = PAD_BLOCK
                 rows[i] = _PAD_ROW
-        return {name: t[:bucket] for name, t in self.tensors.items()}
+        views = {name: t[: bucket * (1 if name in ("seq_lens", "block_tables") else q)]
+                 for name, t in self.tensors.items()}
+        # only the columns some request of the step reaches: the graph reads no block past a
+        # row's context, so what stays in the device's columns beyond is never read
+        views["block_tables"] = views["block_tables"][:, : max((len(t) for t in block_tables), default=1)]
+        return views
 
     def upload(self, views: dict[str, torch.Tensor], device_tensors: dict[str, torch.Tensor]) -> None:
         """Copy what `fill` returned into the graph's static inputs (asynchronous on CUDA)."""
         for name, view in views.items():
-            device_tensors[name][: view.shape[0]].copy_(view, non_blocking=True)
+            device_tensors[name][tuple(slice(n) for n in view.shape)].copy_(view, non_blocking=True)
         if self._pinned:
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()

@@ -15,16 +15,15 @@ After verification the draft's KV is valid up to the target's num_computed_token
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from backend.host_copy import HostCopy
 from backend.model_runner import ModelRunner, StepInput
-from backend.proposer import DraftClock, PendingTokens, Proposal
+from backend.proposer import PendingTokens, Proposal
 from backend.request import Request
 from backend.sampler import Sampler
 from backend.sampling_metadata import build_sampling_metadata
+from backend.step_timer import StepTimer
 
 
 class DraftProposer:
@@ -36,7 +35,7 @@ class DraftProposer:
     def num_available(self, request: Request, k: int) -> int:
         return k
 
-    def propose(self, requests: list[Request], ks: list[int], clock: DraftClock | None = None,
+    def propose(self, requests: list[Request], ks: list[int], timer: StepTimer | None = None,
                 catch_up: list[tuple[Request, int]] = (), pending: PendingTokens | None = None) -> list[Proposal]:
         """k_r draft tokens per request (on the device, and on the host unless a request's last
         step is still pending) and the distributions they were drawn from (None for a greedy
@@ -48,7 +47,7 @@ class DraftProposer:
         previous: torch.Tensor | None = None  # the last forward's draws, [len(active)]
         previous_active: list[int] = []
         for j in range(max(ks, default=1)):
-            started = time.perf_counter()
+            started = timer.mark() if timer is not None else None
             active = [i for i, k in enumerate(ks) if k > j]
             step = StepInput([], [], [], [])
             if j == 0 and pending is not None:
@@ -75,7 +74,7 @@ class DraftProposer:
             for r, end in catch_up if j == 0 else ():
                 step.add(r.tokens_slice(r.spec.num_computed_tokens, end), r.spec.num_computed_tokens, r.block_table, 0)
                 r.spec.num_computed_tokens = end
-            if row_of:  # catch-up rows read known tokens at known positions
+            if row_of and any(pending.num_drafts):  # catch-up rows read known tokens at known positions
                 offsets = pending.offsets_for([requests[i].request_id for i in active])
                 step.position_offsets = torch.cat([offsets, offsets.new_zeros(len(step.token_ids) - len(active))])
             logits = self.runner.run(step)
@@ -89,12 +88,12 @@ class DraftProposer:
                     drawn[i].append(previous[row : row + 1])
                     if not requests[i].params.greedy:  # a greedy verification compares argmaxes only
                         probs[i].append(out.probs[row])
-            if clock is not None:
-                clock(j, sum(len(t) for t in step.token_ids), len(active), started)
+            if timer is not None:
+                timer.span("draft", (j, sum(len(t) for t in step.token_ids), len(active)), started)
         device_ids = [torch.cat(d) for d in drawn]
         proposals = [Proposal(None, torch.stack(p) if p else None, d) for p, d in zip(probs, device_ids)]
         if proposals:  # on their way to the host; read at once unless their last step is pending
-            copy, offset = HostCopy(torch.cat(device_ids)), 0
+            copy, offset = HostCopy(torch.cat(device_ids), waits=self.runner.waits), 0
             for r, proposal, k in zip(requests, proposals, ks):
                 proposal.host_copy, offset = (copy, offset), offset + k
                 if r.request_id not in row_of:

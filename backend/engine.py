@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -33,13 +32,16 @@ from backend.attention import make_attention_backend
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
-from backend.errors import INTERNAL_ERROR, ValidationError, is_fatal
+from backend.device import bind_device, resolve_device
+from backend.errors import INTERNAL_ERROR, ValidationError
 from backend.fault_injection import FaultHook
 from backend.host_copy import HostCopy
+from backend.host_waits import HostWaits
 from backend.host_memory import retain_freed_memory
 from backend.linear_tuner import tune_small_batch_linears
 from backend.model_loader import TORCH_DTYPES, load_draft_model, load_hf_config, load_model
 from backend.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from backend.output_processor import OutputProcessor
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
 from backend.request_limits import RequestLimits
@@ -48,11 +50,12 @@ from backend.ngram_proposer import NgramProposer
 from backend.proposer import PendingTokens, Proposer
 from backend.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
 from backend.sampling_metadata import SamplingMetadata, build_sampling_metadata
-from backend.speculator import Speculator
+from backend.speculator import SpecStep, Speculator
 from backend.pipeline_parallel import pipeline_stage
 from backend.worker_group import PipelineRunner, TensorParallelRunner, WorkerGroup
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
+from backend.uploads import on_device
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,8 @@ class EngineStats:
     spec_draft_tokens_total: int
     spec_accepted_tokens_total: int
     spec_accepted_per_position: list[int]  # draft position i -> tokens accepted there
+    graph_replays_total: int = 0  # steps (target and draft forwards) that replayed a CUDA graph
+    host_waits_total: int = 0  # waits of the host for the device (host_waits.py)
 
 
 @dataclass(slots=True)
@@ -80,6 +85,7 @@ class InFlightStep:
     meta: SamplingMetadata
     pending: PendingTokens | None
     host: HostCopy  # the tokens [B, max_k + 1], then the logprobs' tensors when asked for
+    spec: SpecStep | None = None  # speculation's measurements of the step, fed once it is back
 
 
 def pending_tokens(meta: SamplingMetadata, token_ids: torch.Tensor, last_known: list[int]) -> PendingTokens:
@@ -89,16 +95,10 @@ def pending_tokens(meta: SamplingMetadata, token_ids: torch.Tensor, last_known: 
     num_accepted = (token_ids != PLACEHOLDER_TOKEN).sum(1) - 1  # [B]
     last = token_ids.gather(1, num_accepted[:, None])[:, 0]
     before = token_ids.gather(1, (num_accepted - 1).clamp_min(0)[:, None])[:, 0]
-    known = torch.tensor(last_known).to(token_ids.device, non_blocking=True)
+    known = on_device(last_known, token_ids.device, torch.int64)
     previous = torch.where(num_accepted > 0, before, known)
     row_of = {r.request_id: i for i, r in enumerate(meta.requests)}
     return PendingTokens(row_of, meta.num_drafts, previous, last, num_accepted - meta.num_drafts_t)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class LLMEngine:
@@ -111,8 +111,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":
             retain_freed_memory()
-        elif self.device.index is not None:  # "cuda:N": kernels and memory queries go to GPU N
-            torch.cuda.set_device(self.device)
+        else:  # kernels and memory queries of the set-up go to this device (the loop's thread binds it too)
+            bind_device(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
         hf_config = load_hf_config(config.model)
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
@@ -169,7 +169,9 @@ class LLMEngine:
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.num_blocks)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype)
+        self.host_waits = HostWaits()  # every wait of the host for the device, per step
+        self.runner = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype,
+                                  self.host_waits)
         if self.workers is not None:  # every rank's KV pool has the same blocks, of its own layers and heads
             self.workers.setup(self.num_blocks, self.vocab_size)
             pipelined = config.pipeline_parallel_size > 1
@@ -180,32 +182,45 @@ class LLMEngine:
         proposer: Proposer | None = None
         if self.draft_model is not None:
             draft_runner = ModelRunner(
-                self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.draft_dtype
+                self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.draft_dtype,
+                self.host_waits,
             )
             proposer = DraftProposer(draft_runner, self.sampler, self.vocab_size)
         elif config.speculative_method == "ngram":
             proposer = NgramProposer()
         # overlapped steps: on CUDA by default, without speculation (speculation with them runs its
-        # verification steps eagerly for now); asked for, with either. Adaptive k measures plain
-        # steps (a step's time and its tokens), so with overlapped steps, and under pipeline
-        # parallelism (a step's forward spans the stages), k is fixed
+        # verification steps eagerly for now); asked for, with either. Adaptive k times each step
+        # on the device's clock and reads it after the read-back, so it works with overlapped
+        # steps; under pipeline parallelism (a step's forward spans the stages) k is fixed
         self.overlap = config.async_scheduling if config.async_scheduling is not None else (
             self.device.type == "cuda" and proposer is None and config.pipeline_parallel_size == 1)
-        adaptive = config.adaptive_speculation and not self.overlap and config.pipeline_parallel_size == 1
+        adaptive = config.adaptive_speculation and config.pipeline_parallel_size == 1
         self.speculator = Speculator(proposer, config.num_speculative_tokens, adaptive, self.device,
                                      draft_budget=config.max_num_batched_tokens)
         self.in_flight: InFlightStep | None = None  # overlapped steps: the one launched last
         self.launched: set[str] = set()  # request ids of the step launched last
         if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs \
                 and self.workers is None:  # parallel steps run eagerly for now
-            for runner in [self.runner] + ([proposer.runner] if proposer is not None and proposer.runner else []):
-                runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+            # the target: decode steps, and verifications of num_speculative_tokens drafts each;
+            # the draft: its one-token forwards, and its first after a verification (2 tokens)
+            verify = (config.num_speculative_tokens + 1,) if proposer is not None else ()
+            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, *verify))
+            if proposer is not None and proposer.runner is not None:
+                proposer.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, 2))
         self.requests: dict[str, Request] = {}  # request id -> everything about it, until its last output
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.block_manager, self.requests,
+                                       self.max_model_len)
         self._ids = itertools.count()
-        self.fault_hook: FaultHook | None = None  # tests: make chosen requests raise in a step
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         self.peak_blocks_used = 0
+
+    @property
+    def fault_hook(self) -> FaultHook | None:
+        return self.output_processor.fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: FaultHook | None) -> None:
+        self.output_processor.fault_hook = hook
 
     def close(self) -> None:
         """Stop the worker ranks, if any."""
@@ -254,7 +269,7 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        return self._output(request)
+        return self.output_processor.output(request)
 
     def fail_all(self, message: str = INTERNAL_ERROR) -> list[RequestOutput]:
         """End every request with an error (after an exception in a step that no one request
@@ -265,7 +280,7 @@ class LLMEngine:
             request.num_pending_tokens = 0
             request.error = message
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-            outputs.append(self._output(request))
+            outputs.append(self.output_processor.output(request))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -276,21 +291,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if isinstance(self.runner, PipelineRunner):
             return self._pipeline_step()
-        started = time.perf_counter()
+        spec = self.speculator.begin_step()  # None without speculation
         batch, draft_probs = self._schedule()
         self.launched = {r.request_id for r in batch.requests}
-        forward_started = time.perf_counter()
+        forward_started = spec.timer.mark() if spec is not None else None
         logits = self.runner.run(self.step_input(batch, self.in_flight)) if batch.requests else None
         lookahead = [r.spec.num_lookahead_tokens for r in batch.requests]  # _sample clears them
-        if logits is not None and self.speculator.proposer is not None:  # adaptive k times the target's forwards
-            self.speculator.observe_forward(batch, lookahead, forward_started)
+        if logits is not None and spec is not None:  # adaptive k times the target's forwards
+            self.speculator.observe_forward(spec, batch, lookahead, forward_started)
         outputs = self._read_back()  # the step launched before this one (overlapped steps)
         if logits is not None:
             self.in_flight = self._sample(batch, logits, draft_probs)
+            if spec is not None and self.in_flight is not None:
+                self.speculator.end_step(spec, batch, lookahead)
+                self.in_flight.spec = spec
         if not self.overlap:
             outputs += self._read_back()
-            self.speculator.observe_step(batch, lookahead, sum(len(o.token_ids) for o in outputs),
-                                         time.perf_counter() - started)
+        self.host_waits.end_step()
         return outputs
 
     def _pipeline_step(self) -> list[RequestOutput]:
@@ -309,7 +326,9 @@ class LLMEngine:
         logits = self.runner.collect()
         batch, draft_probs = self.batches_in_flight.popleft()
         self.in_flight = self._sample(batch, logits, draft_probs)
-        return self._read_back()
+        outputs = self._read_back()
+        self.host_waits.end_step()
+        return outputs
 
     def _schedule(self, busy: set[str] = frozenset(), max_requests: int | None = None
                   ) -> tuple[ScheduledBatch, dict[str, torch.Tensor]]:
@@ -361,7 +380,7 @@ class LLMEngine:
             step.take_from_device(device, at)
         if step.from_device:
             step.device_tokens = torch.cat(sources)
-        if row_of:
+        if row_of and any(pending.num_drafts):  # without drafts last step, every offset is 0
             step.position_offsets = pending.offsets_for([r.request_id for r in batch.requests])
         return step
 
@@ -398,7 +417,7 @@ class LLMEngine:
         # what the next step reads before the tokens reach the host (overlapped steps only)
         pending = pending_tokens(meta, output.token_ids, last_known) if self.overlap else None
         logprobs = output.logprobs.tensors() if output.logprobs is not None else ()
-        return InFlightStep(meta, pending, HostCopy(output.token_ids, *logprobs))
+        return InFlightStep(meta, pending, HostCopy(output.token_ids, *logprobs, waits=self.host_waits))
 
     def _read_back(self) -> list[RequestOutput]:
         """Wait for the in-flight step's tokens, then append them to their requests (those still
@@ -425,11 +444,13 @@ class LLMEngine:
                 self.speculator.record(request, k, num_accepted)
                 if request.status is RequestStatus.RUNNING:  # (preempted: recomputed from 0)
                     self._roll_back(request, k - num_accepted)
-            entries = [self._logprob_entry(logprobs.get(row), token, request.params.logprobs)
+            entries = [self.output_processor.logprob_entry(logprobs.get(row), token, request.params.logprobs)
                        for row, token in zip(rows, new)]
             # trim: no block stays for rejected positions, unless the step launched since holds them
             trim = k > 0 and not (self.overlap and request.request_id in self.launched)
-            outputs.append(self._advance(request, new, entries, error, trim=trim))
+            outputs.append(self.output_processor.advance(request, new, entries, error, trim=trim))
+        if step.spec is not None:
+            self.speculator.finish_step(step.spec, sum(len(o.token_ids) for o in outputs))
         return outputs
 
     @staticmethod
@@ -442,99 +463,6 @@ class LLMEngine:
         else:
             request.spec.num_computed_tokens = min(request.spec.num_computed_tokens, request.num_computed_tokens)
 
-    def _logprob_entry(self, entry: tuple[float, int, list[int], list[float]] | None, token: int,
-                       n: int | None) -> dict | None:
-        if entry is None or n is None:
-            return None
-        chosen, rank, top_ids, top_values = entry
-        top = dict(zip(top_ids[:n], top_values[:n]))
-        text = {i: self.tokenizer.decode([i]) for i in (token, *top)}
-        return {"token_id": token, "logprob": chosen, "rank": rank, "top": top, "text": text}
-
-    def _advance(
-        self, request: Request, tokens: list[int], logprobs: list[dict | None], error: Exception | None, trim: bool = False
-    ) -> RequestOutput:
-        """Append a request's new tokens, then finish it or cache its full blocks; its output.
-        A fault of its own (`error`, from sampling, or raised here) fails it alone."""
-        try:
-            if error is not None:
-                raise error
-            self._append_tokens(request, tokens, logprobs)
-            if request.is_finished:
-                self.scheduler.finish(request, request.status)
-            else:
-                if trim:
-                    self.block_manager.trim(request, request.num_tokens)
-                self.block_manager.cache_full_blocks(request)
-            return self._output(request)
-        except Exception as e:
-            if is_fatal(e):
-                raise
-            return self._fail(request, e)
-
-    def _fail(self, request: Request, error: Exception) -> RequestOutput:
-        """End one request with an internal error (the detail goes to the log); its batch-mates
-        go on as if it had finished."""
-        log.error("request %s failed in a step; the others go on", request.request_id, exc_info=error)
-        request.num_pending_tokens = 0
-        request.spec.draft_token_ids, request.spec.num_lookahead_tokens = [], 0
-        request.error = INTERNAL_ERROR
-        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-        return self._output(request)
-
-    def _append_tokens(self, request: Request, tokens: list[int], logprobs: list[dict | None]) -> None:
-        """Append tokens one at a time, stopping exactly where the request finishes."""
-        if self.fault_hook is not None:
-            self.fault_hook(request)
-        detok = request.detokenizer
-        p = request.params
-        for token, lp in zip(tokens, logprobs):
-            request.output_token_ids.append(token)
-            if lp is not None:
-                request.pending_logprobs.append(lp)
-                request.cumulative_logprob += lp["logprob"]
-            self.generation_tokens_total += 1
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
-            stop_string = detok.add_token(token)
-            n_out = request.num_output_tokens
-            stopped = stop_string or (
-                n_out >= p.min_tokens
-                and (token in p.stop_token_ids or (token in request.eos_token_ids and not p.ignore_eos))
-            )
-            if stopped:
-                request.status = RequestStatus.FINISHED_STOPPED
-            elif n_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
-                request.status = RequestStatus.FINISHED_LENGTH
-            if request.is_finished:
-                return
-
-    def _output(self, request: Request) -> RequestOutput:
-        """The request's news since its previous output; forgets the request once finished."""
-        rid = request.request_id
-        finished = request.is_finished
-        start, request.num_emitted_tokens = request.num_emitted_tokens, request.num_output_tokens
-        logprobs, request.pending_logprobs = request.pending_logprobs or None, []
-        out = RequestOutput(
-            request_id=rid,
-            text="" if request.error else request.detokenizer.take_delta(finished),
-            token_ids=request.output_token_ids[start:],
-            finished=finished,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            logprobs=logprobs,
-            cumulative_logprob=request.cumulative_logprob if request.params.logprobs is not None else None,
-            error=request.error,
-            num_draft_tokens=request.spec.num_draft_tokens,
-            num_accepted_tokens=request.spec.num_accepted_tokens,
-        )
-        if finished and request.first_scheduled_time is not None:
-            out.queue_seconds = request.first_scheduled_time - request.arrival_time
-        if finished:
-            del self.requests[rid]
-        return out
-
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
@@ -544,11 +472,15 @@ class LLMEngine:
             num_total_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage,
             prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
+            generation_tokens_total=self.output_processor.generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens_total=bm.prefix_hit_tokens,
             prefix_cache_query_tokens_total=bm.prefix_query_tokens,
             spec_draft_tokens_total=self.speculator.num_draft_tokens,
             spec_accepted_tokens_total=self.speculator.num_accepted_tokens,
             spec_accepted_per_position=list(self.speculator.accepted_per_position),
+            graph_replays_total=self.runner.graph_replays + (
+                self.speculator.proposer.runner.graph_replays
+                if self.speculator.proposer is not None and self.speculator.proposer.runner is not None else 0),
+            host_waits_total=self.host_waits.total,
         )

@@ -16,6 +16,7 @@ import threading
 import traceback
 from typing import Callable
 
+from backend.device import bind_device
 from backend.engine import LLMEngine
 from backend.errors import ENGINE_DEAD, INTERNAL_ERROR, EngineDeadError, ValidationError, is_fatal
 from backend.outputs import RequestOutput
@@ -110,6 +111,7 @@ class EngineLoop:
                     self._deliver(output)
 
     def _run(self) -> None:
+        bind_device(self.engine.device)  # CUDA's current device is per thread
         while True:
             self._drain_inbox()
             if self._stopping:

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import torch
 
+from backend.host_waits import HostWaits
+
 
 class HostCopy:
     """Started at once (into pinned memory on CUDA); `wait()` waits for these copies only, not
-    for the work queued after them."""
+    for the work queued after them, once (counted by `waits`)."""
 
-    def __init__(self, *tensors: torch.Tensor):
+    def __init__(self, *tensors: torch.Tensor, waits: HostWaits):
+        self.waits = waits
         self.ready: torch.cuda.Event | None = None
         self.host = list(tensors)
         if any(t.is_cuda for t in tensors):
@@ -16,13 +19,14 @@ class HostCopy:
                          for t in tensors]
             self.ready = torch.cuda.Event()
             self.ready.record()
+        self.landed = False
         self._values: list[list] | None = None
 
     def wait(self) -> list[torch.Tensor]:
         """The host tensors, once the copies have landed."""
-        if self.ready is not None:
-            self.ready.synchronize()
-            self.ready = None
+        if not self.landed:
+            self.waits.wait(self.ready)
+            self.ready, self.landed = None, True
         return self.host
 
     def values(self) -> list[list]:

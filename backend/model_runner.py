@@ -6,9 +6,10 @@ The batch is flat: every scheduled token of every request, back to back, with
   logits_indices[L]  rows whose logits are needed (sampling or verification).
 The draft model has a runner of its own with the same block tables and its own pool.
 
-On CUDA, decode-only steps (one token per request) replay a CUDA graph captured at start-up for
-the smallest batch-size bucket that holds the batch; padding rows write nowhere (slot -1) and
-read one cached token. Mixed steps run eagerly.
+On CUDA, a step in which every request computes the same number of tokens (one: decode; k + 1:
+verification) replays a CUDA graph captured at start-up for the smallest batch-size bucket that
+holds it (`graph_shape`); padding rows write nowhere (slot -1) and read cached tokens. Mixed
+steps run eagerly.
 """
 from __future__ import annotations
 
@@ -18,11 +19,32 @@ import torch
 
 from backend.attention import AttentionBackend, AttentionMetadata
 from backend.decode_inputs import PAD_BLOCK, PAD_SLOT, DecodeInputs
+from backend.host_waits import HostWaits
 from backend.model import LlamaForCausalLM
+from backend.uploads import on_device
 
-# decode graph buckets: a batch runs in the smallest that holds it, padded; steps of 8, then 16,
-# keep the padding (whole rows of every matmul) under 12% from 64 requests up
+# graph buckets: a batch runs in the smallest that holds it, padded; steps of 8, then 16, keep the
+# padding (whole rows of every matmul) under 12% from 64 requests up
 GRAPH_BATCH_SIZES = (1, 2, 4) + tuple(range(8, 64, 8)) + tuple(range(64, 257, 16))
+
+
+def graph_shape(step: StepInput, batch_sizes: tuple[int, ...], query_lens: tuple[int, ...]) -> tuple[int, int] | None:
+    """The (batch bucket, tokens per request) of the graph that can replay `step`, or None. It
+    fits when every request computes the same number q of tokens, q one of `query_lens` (1: a
+    decode step; k + 1: a verification of k drafts each; 2: a draft's first forward after one),
+    every request wants the logits of all q or of its last token only, and the batch fits a
+    bucket. Offsets known only on the device (overlapped steps) do not matter: the graph applies
+    them."""
+    if not step.token_ids or not batch_sizes:
+        return None
+    q, m = len(step.token_ids[0]), step.num_logits[0]
+    if q not in query_lens or any(len(t) != q for t in step.token_ids):
+        return None
+    if m not in (1, q) or any(n != m for n in step.num_logits):
+        return None
+    b = len(step.token_ids)
+    fitting = [size for size in batch_sizes if size >= b]
+    return (min(fitting), q) if fitting else None
 
 
 @dataclass(slots=True)
@@ -80,8 +102,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        waits: HostWaits | None = None,
     ):
         self.model = model
+        self.waits = waits if waits is not None else HostWaits()  # the engine's, shared by its runners
         self.attention = attention
         self.device = device
         self.block_size = block_size
@@ -91,69 +115,115 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(a.num_layers)
         ]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch-size bucket -> decode graph
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, tokens per request) -> graph
         self.graph_io: dict[str, torch.Tensor] = {}  # static inputs and outputs shared by all graphs
+        self.graph_batch_sizes: tuple[int, ...] = ()
+        self.graph_query_lens: tuple[int, ...] = ()
+        self.graph_max_seqlen_k = 0
+        self.graph_replays = 0
         self.decode_inputs: DecodeInputs | None = None  # host staging of the graphs' inputs
 
-    def init_decode_inputs(self, max_batch_size: int, max_blocks: int) -> None:
-        self.decode_inputs = DecodeInputs(max_batch_size, max_blocks, pin=self.device.type == "cuda")
+    def init_decode_inputs(self, max_batch_size: int, max_blocks: int, max_tokens_per_row: int = 1) -> None:
+        self.decode_inputs = DecodeInputs(max_batch_size, max_blocks, pin=self.device.type == "cuda", waits=self.waits,
+                                          max_tokens_per_row=max_tokens_per_row)
 
-    @torch.inference_mode()
-    def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Capture one decode graph per batch-size bucket up to `max_batch_size` (CUDA only)."""
-        sizes = [b for b in GRAPH_BATCH_SIZES if b < max_batch_size] + [max_batch_size]
-        biggest = max(sizes)
+    def init_graph_io(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
+        """The static inputs every graph reads (and their host staging), for batches up to
+        `max_batch_size` in GRAPH_BATCH_SIZES buckets and `query_lens` tokens per request. Made
+        on any device: on a CPU `graph_forward` runs what a graph would replay."""
+        self.graph_batch_sizes = tuple(b for b in GRAPH_BATCH_SIZES if b < max_batch_size) + (max_batch_size,)
+        self.graph_query_lens = tuple(sorted(set(query_lens)))
+        biggest, max_q = max(self.graph_batch_sizes), max(self.graph_query_lens)
+        self.graph_max_seqlen_k = max_model_len
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         dev = self.device
-        io = self.graph_io = dict(
-            input_ids=torch.zeros(biggest, dtype=torch.int64, device=dev),
-            positions=torch.zeros(biggest, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((biggest,), PAD_SLOT, dtype=torch.int64, device=dev),
-            cu_seqlens_q=torch.arange(biggest + 1, dtype=torch.int32, device=dev),
+        self.graph_io = dict(
+            input_ids=torch.zeros(biggest * max_q, dtype=torch.int64, device=dev),
+            positions=torch.zeros(biggest * max_q, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((biggest * max_q,), PAD_SLOT, dtype=torch.int64, device=dev),
             seq_lens=torch.ones(biggest, dtype=torch.int32, device=dev),
             block_tables=torch.full((biggest, max_blocks), PAD_BLOCK, dtype=torch.int32, device=dev),
-            logits_indices=torch.arange(biggest, dtype=torch.int64, device=dev),
+            position_offsets=torch.zeros(biggest, dtype=torch.int64, device=dev),
+            logits_indices=torch.arange(biggest * max_q, dtype=torch.int64, device=dev),
         )
-        self.init_decode_inputs(biggest, max_blocks)
+        for q in self.graph_query_lens:
+            self.graph_io[f"cu_seqlens_q_{q}"] = torch.arange(0, (biggest + 1) * q, q, dtype=torch.int32, device=dev)
+            self.graph_io[f"token_rows_{q}"] = torch.arange(biggest, device=dev).repeat_interleave(q)
+        self.init_decode_inputs(biggest, max_blocks, max_q)
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
+        """Capture one graph per batch-size bucket and tokens per request (CUDA only)."""
+        self.init_graph_io(max_batch_size, max_model_len, query_lens)
+        dev = self.device
         pool = None
-        for b in sorted(sizes, reverse=True):  # biggest first: smaller graphs reuse its pool
-            meta = AttentionMetadata(
-                io["slot_mapping"][:b], io["cu_seqlens_q"][: b + 1], io["seq_lens"][:b],
-                io["block_tables"][:b], max_seqlen_q=1, max_seqlen_k=max_model_len,
-            )
-            args = (io["input_ids"][:b], io["positions"][:b], self.kv_caches, self.attention, meta,
-                    io["logits_indices"][:b])
-            self.model(*args)  # warm-up: compiles kernels outside the capture
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(*args)
-            pool = graph.pool()
-            io[f"logits_{b}"] = logits
-            self.graphs[b] = graph
+        for q in self.graph_query_lens:
+            for b in sorted(self.graph_batch_sizes, reverse=True):  # biggest first: smaller graphs reuse its pool
+                self.graph_forward_static(b, q)  # warm-up: compiles kernels outside the capture
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.graph_forward_static(b, q)
+                pool = graph.pool()
+                self.graph_io[f"logits_{b}_{q}"] = logits
+                self.graphs[(b, q)] = graph
         torch.cuda.synchronize(dev)
 
-    def _replay(self, step: StepInput) -> torch.Tensor | None:
-        """Run a decode-only step through a captured graph; None when no graph fits it."""
-        b = len(step.token_ids)
-        if not self.graphs or b > max(self.graphs) or any(len(t) != 1 for t in step.token_ids):
-            return None
-        if step.position_offsets is not None:
-            return None
-        if any(n != 1 for n in step.num_logits):
-            return None
-        bucket = min(size for size in self.graphs if size >= b)
-        self.decode_inputs.upload(self.graph_inputs(step, bucket), self.graph_io)
-        self._fill_from_device(self.graph_io["input_ids"], step)
-        self.graphs[bucket].replay()
-        return self.graph_io[f"logits_{bucket}"][:b]
+    def graph_forward_static(self, b: int, q: int) -> torch.Tensor:  # [b * q, vocab] float32
+        """The forward a graph of `b` rows and `q` tokens each replays, from the static inputs
+        alone. Positions, context lengths and slots are corrected on the device by each row's
+        position offset (overlapped speculation: how many of the last step's drafts were rejected;
+        zero otherwise), so such steps replay a graph too."""
+        io, bs, n = self.graph_io, self.block_size, b * q
+        offsets = io["position_offsets"][:b]
+        positions = io["positions"][:n] + offsets.repeat_interleave(q, output_size=n)
+        block_tables = io["block_tables"][:b]
+        blocks = block_tables[io[f"token_rows_{q}"][:n], positions // bs].long()
+        host_slots = io["slot_mapping"][:n]  # PAD_SLOT marks the padding rows' tokens: they write nowhere
+        slots = torch.where(host_slots == PAD_SLOT, host_slots, blocks * bs + positions % bs)
+        meta = AttentionMetadata(slots, io[f"cu_seqlens_q_{q}"][: b + 1], io["seq_lens"][:b] + offsets.int(),
+                                 block_tables, max_seqlen_q=q, max_seqlen_k=self.graph_max_seqlen_k)
+        return self.model(io["input_ids"][:n], positions, self.kv_caches, self.attention, meta,
+                          io["logits_indices"][:n])
 
-    def graph_inputs(self, step: StepInput, bucket: int) -> dict[str, torch.Tensor]:
-        """Host tensors for a decode graph of `bucket` rows (after `init_decode_inputs`): the
-        step's flat inputs, then padding rows that write nowhere and read one cached token."""
+    def stage_graph_inputs(self, step: StepInput) -> tuple[int, int] | None:
+        """Put a step that fits a graph into the static inputs; its (bucket, q), or None."""
+        shape = graph_shape(step, self.graph_batch_sizes, self.graph_query_lens)
+        if shape is None:
+            return None
+        bucket, q = shape
+        b = len(step.token_ids)
+        self.decode_inputs.upload(self.graph_inputs(step, bucket, q), self.graph_io)
+        offsets = self.graph_io["position_offsets"]
+        offsets[:bucket].zero_()
+        if step.position_offsets is not None:  # on the device already: no wait
+            offsets[:b].copy_(step.position_offsets)
+        self._fill_from_device(self.graph_io["input_ids"], step)
+        return shape
+
+    def _replay(self, step: StepInput) -> torch.Tensor | None:
+        """Run a step through a captured graph; None when no graph fits it."""
+        shape = self.stage_graph_inputs(step)
+        if shape is None or shape not in self.graphs:
+            return None
+        self.graphs[shape].replay()
+        self.graph_replays += 1
+        bucket, q = shape
+        return self.step_logits(self.graph_io[f"logits_{bucket}_{q}"], step)
+
+    @staticmethod
+    def step_logits(graph_logits: torch.Tensor, step: StepInput) -> torch.Tensor:
+        """The logits the step asked for, of a graph's (every token's, [bucket * q, vocab])."""
+        b, q, m = len(step.token_ids), len(step.token_ids[0]), step.num_logits[0]
+        logits = graph_logits[: b * q]
+        return logits if m == q else logits.view(b, q, -1)[:, q - m :].reshape(b * m, -1)
+
+    def graph_inputs(self, step: StepInput, bucket: int, q: int = 1) -> dict[str, torch.Tensor]:
+        """Host tensors for a graph of `bucket` rows of `q` tokens (after `init_decode_inputs`):
+        the step's flat inputs, then padding rows that write nowhere and read q cached tokens."""
         flat = self._flat_inputs(step)
         return self.decode_inputs.fill(flat.input_ids, flat.positions, flat.slots, flat.seq_lens,
-                                       step.block_tables, bucket)
+                                       step.block_tables, bucket, q)
 
     def _flat_inputs(self, step: StepInput) -> _FlatInputs:
         bs = self.block_size
@@ -176,7 +246,7 @@ class ModelRunner:
         max_blocks = max((len(t) for t in step.block_tables), default=1)
 
         def tensor(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+            return on_device(x, self.device, dtype)
 
         meta = AttentionMetadata(
             slot_mapping=tensor(flat.slots, torch.int64),
@@ -194,7 +264,7 @@ class ModelRunner:
     def _apply_offsets(self, step: StepInput, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Shift each request's positions by its device-side offset; slots and context lengths
         follow (computed on the device from the block tables). The host-side maxima stay upper bounds."""
-        lengths = torch.tensor([len(t) for t in step.token_ids]).to(self.device, non_blocking=True)
+        lengths = on_device([len(t) for t in step.token_ids], self.device, torch.int64)
         offsets = step.position_offsets
         positions += offsets.repeat_interleave(lengths, output_size=positions.numel())
         meta.seq_lens += offsets.to(meta.seq_lens.dtype)
@@ -208,7 +278,7 @@ class ModelRunner:
         if not step.from_device:
             return
         dst, src = zip(*step.from_device)
-        index = torch.tensor([dst, src], dtype=torch.int64).to(self.device, non_blocking=True)
+        index = on_device([dst, src], self.device, torch.int64)
         input_ids.index_copy_(0, index[0], step.device_tokens.index_select(0, index[1]))
 
     @torch.inference_mode()

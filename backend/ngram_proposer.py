@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from backend.proposer import DraftClock, PendingTokens, Proposal
+from backend.proposer import PendingTokens, Proposal
 from backend.request import Request
-
+from backend.step_timer import StepTimer
 
 
 class NgramProposer:
@@ -27,7 +27,7 @@ class NgramProposer:
             return 0
         return len(self.lookup(request.all_token_ids, k))
 
-    def propose(self, requests: list[Request], ks: list[int], clock: DraftClock | None = None,
+    def propose(self, requests: list[Request], ks: list[int], timer: StepTimer | None = None,
                 catch_up: list[tuple[Request, int]] = (), pending: PendingTokens | None = None) -> list[Proposal]:
         return [Proposal(self.lookup(r.all_token_ids, k), None) for r, k in zip(requests, ks)]
 

@@ -2,7 +2,6 @@
 (ngram_proposer.py)."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -11,9 +10,9 @@ import torch
 from backend.host_copy import HostCopy
 from backend.model_runner import ModelRunner
 from backend.request import Request
+from backend.step_timer import StepTimer
+from backend.uploads import on_device
 
-# clock(j, num_tokens, num_requests, start time): called after the j-th draft forward
-DraftClock = Callable[[int, int, int, float], None]
 
 
 @dataclass(slots=True)
@@ -46,7 +45,7 @@ class PendingTokens:
         """[len(request_ids)] offsets, 0 for requests without pending tokens."""
         table = torch.cat([self.offsets, self.offsets.new_zeros(1)])
         index = [self.row_of.get(rid, len(self.row_of)) for rid in request_ids]
-        return table[torch.tensor(index, dtype=torch.int64).to(table.device, non_blocking=True)]
+        return table[on_device(index, table.device, torch.int64)]
 
 
 class Proposer(Protocol):
@@ -57,7 +56,8 @@ class Proposer(Protocol):
     def num_available(self, request: Request, k: int) -> int:
         """How many of k draft tokens it can propose for the request now (before scheduling)."""
 
-    def propose(self, requests: list[Request], ks: list[int], clock: DraftClock | None = None,
+    def propose(self, requests: list[Request], ks: list[int], timer: StepTimer | None = None,
                 catch_up: list[tuple[Request, int]] = (), pending: PendingTokens | None = None) -> list[Proposal]:
         """Exactly ks[i] draft tokens for requests[i] (at most what num_available said). A
-        proposer with a runner also reads the `catch_up` rows: (request, end), its KV up to end."""
+        proposer with a runner also reads the `catch_up` rows: (request, end), its KV up to end,
+        and times each forward j on `timer` as a span ("draft", (j, num_tokens, num_requests))."""

@@ -13,6 +13,7 @@ import torch
 
 from backend.rejection_sampler import PLACEHOLDER_TOKEN, inverse_cdf, rejection_sample
 from backend.sampling_metadata import SamplingMetadata
+from backend.uploads import on_device
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -30,8 +31,8 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         logits.copy_(torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits))
         logits -= pen.frequency[:, None] * counts + pen.presence[:, None] * (counts > 0)
     if meta.banned_rows is not None:
-        logits.index_put_((meta.banned_rows, meta.banned_tokens),
-                          torch.tensor(float("-inf"), device=logits.device))
+        # new_full is a fill on the device: no copy from pageable host memory, no wait
+        logits.index_put_((meta.banned_rows, meta.banned_tokens), logits.new_full((), float("-inf")))
     return logits
 
 
@@ -107,7 +108,7 @@ class Sampler:
         token_ids = rejection_sample(greedy_tokens, probs, draft_probs, meta)
         logprobs = None
         if raw is not None:
-            rows = torch.tensor(meta.logprob_rows).to(raw.device, non_blocking=True)
+            rows = on_device(meta.logprob_rows, raw.device, torch.int64)
             logp = torch.log_softmax(raw.index_select(0, rows), dim=-1)
             chosen_tokens = token_ids.view(-1)[meta.row_slot.index_select(0, rows)].clamp_min(0)  # placeholder: unread
             chosen = logp.gather(1, chosen_tokens[:, None])[:, 0]

@@ -18,11 +18,7 @@ import torch
 
 from backend.errors import is_fatal
 from backend.request import Request
-
-
-def on_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host list as a tensor on `device`, uploaded without waiting for queued device work."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+from backend.uploads import on_device
 
 
 class _Packed:
@@ -83,10 +79,6 @@ class SamplingMetadata:
     banned_tokens: torch.Tensor | None
     uniform_drafts: torch.Tensor  # [D] float32: accept draft token j when u_j q(d_j) < p(d_j)
     uniform_last: torch.Tensor  # [B] float32: draws the recovered or bonus token
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.requests) + sum(self.num_drafts)
 
 
 @dataclass(slots=True)

@@ -119,10 +119,6 @@ class SpecController:
         self.num_plans = 0
         self.expected: np.ndarray | None = None  # the latest adaptive plan's E(0..max_k) per request
 
-    def expected_tokens(self, request: Request) -> np.ndarray:
-        """E(0..max_k) for this request: 1 + its survival curve's running sum."""
-        return self.expected_tokens_batch([request])[0]
-
     def expected_tokens_batch(self, requests: list[Request]) -> np.ndarray:
         """[len(requests), max_k + 1]: each request's E(0..max_k), its own survival counts shrunk
         toward the batch's curve (a request with no counts has the batch's curve)."""

@@ -63,14 +63,17 @@ class SpeculationPolicy:
         if self.catching_up and first.ready:
             self.catch_up_seconds = max(first(behind) - first(usual), 0.0)
 
-    def observe_step(self, speculating: bool, num_requests: int, num_tokens: int, seconds: float) -> None:
-        """A decode-only step: each request computed its last token and its drafts, nothing else."""
+    def observe_step(self, speculating: bool, num_requests: int, num_tokens: int, seconds: float,
+                     catching_up: bool = False, catch_up_seconds: float = 0.0) -> None:
+        """A decode-only step: each request computed its last token and its drafts, nothing else.
+        `catching_up`, `catch_up_seconds`: what that step's plan measured (observe_catch_up); with
+        overlapped steps the plan of the step after it has come since."""
         if not self.adaptive:
             return
-        if self.catching_up and not self.modes.steady(num_requests):
+        if catching_up and not self.modes.steady(num_requests):
             # the drafts catch up on what they missed while speculation was off (or on whole
             # prompts, when speculation is new here): what switching it on costs, not its rate
-            self.modes.charge_switch(num_requests, self.catch_up_seconds)
+            self.modes.charge_switch(num_requests, catch_up_seconds)
             return
         # with speculation on, new requests' drafts reading their prompts are part of its rate
         self.modes.observe(speculating, num_requests, num_tokens + self.yield_correction, seconds)

@@ -6,6 +6,11 @@ After scheduling, `propose` trims each reservation to what the token budget gran
 proposer for the drafts. The target verifies them in the same forward as every other request's
 tokens, the sampler accepts a prefix, and the engine calls `record`.
 
+The cost model is fed after each step's read-back (`finish_step`), from spans the step timed on the
+device's clock (step_timer.py: events on CUDA, no wait of their own): each draft forward, the
+target's forward and the whole step, for decode-only steps. So adaptive k works alike with
+overlapped steps, whose read-back comes one step later.
+
 The draft reads at most `draft_budget` tokens (the target's budget) in a step's first forward.
 In a step that speculates, it reads prompts alongside the target's prefill chunks; a request whose
 draft is further behind than the budget left (speculation switched on after sitting out) does
@@ -13,7 +18,7 @@ not speculate until it has caught up, in chunks.
 """
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +26,16 @@ from backend.proposer import PendingTokens, Proposer
 from backend.request import Request
 from backend.scheduler import ScheduledBatch
 from backend.spec_policy import SpeculationPolicy
+from backend.step_timer import Mark, StepTimer
+
+
+@dataclass(slots=True)
+class SpecStep:
+    """One step's measurements, kept with the step until its tokens are back."""
+    timer: StepTimer
+    started: Mark
+    catching_up: bool = False  # its drafts read far more than the last step's tokens ...
+    catch_up_seconds: float = 0.0  # ... and what that cost beyond a usual first draft forward
 
 
 class Speculator:
@@ -35,26 +50,47 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.proposed_per_position = [0] * max_k  # draft position i -> tokens proposed there
         self.accepted_per_position = [0] * max_k  # draft position i -> tokens accepted there
+        self.current: SpecStep | None = None  # the step being built
 
     @staticmethod
     def decode_only(batch: ScheduledBatch, lookahead: list[int]) -> bool:
         """Each request computes its last token plus its draft tokens, nothing else (no prompt)."""
         return all(n == 1 + k for n, k in zip(batch.num_scheduled_tokens, lookahead))
 
-    def observe_forward(self, batch: ScheduledBatch, lookahead: list[int], started: float) -> None:
+    def begin_step(self) -> SpecStep | None:
+        """Start timing a step (None: nothing to time without a proposer)."""
+        if self.proposer is None:
+            self.current = None
+            return None
+        timer = StepTimer.for_device(self.device)
+        self.current = SpecStep(timer, timer.mark())
+        return self.current
+
+    def observe_forward(self, step: SpecStep, batch: ScheduledBatch, lookahead: list[int], started: Mark) -> None:
         """Time the target's forward of a decode-only step for the cost model. Prompt chunks stay
         out: their per-token cost (many rows per matmul) is not what a verification token costs."""
-        if not self.decode_only(batch, lookahead):
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.policy.observe_target_forward(batch.total_tokens, time.perf_counter() - started)
+        if self.decode_only(batch, lookahead):
+            step.timer.span("target", (batch.total_tokens,), started)
 
-    def _clock_draft_forward(self, index: int, num_tokens: int, num_requests: int, started: float) -> None:
-        """Called after each draft forward (and its sampling) of a step."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.policy.observe_draft_forward(index, num_tokens, num_requests, time.perf_counter() - started)
+    def end_step(self, step: SpecStep, batch: ScheduledBatch, lookahead: list[int]) -> None:
+        """The step is sampled (on the device): time it whole, if it was decode-only, and keep what
+        this step's plan said about catching up."""
+        if self.decode_only(batch, lookahead):
+            step.timer.span("step", (any(lookahead), len(batch.requests)), step.started)
+        step.catching_up, step.catch_up_seconds = self.policy.catching_up, self.policy.catch_up_seconds
+
+    def finish_step(self, step: SpecStep, num_new_tokens: int) -> None:
+        """The step's tokens are on the host (and its verifications recorded): feed its spans."""
+        for span in step.timer.spans:
+            seconds = StepTimer.seconds(span)
+            if span.kind == "draft":
+                self.policy.observe_draft_forward(*span.sizes, seconds)
+            elif span.kind == "target":
+                self.policy.observe_target_forward(*span.sizes, seconds)
+            else:
+                speculating, num_requests = span.sizes
+                self.policy.observe_step(bool(speculating), num_requests, num_new_tokens, seconds,
+                                         step.catching_up, step.catch_up_seconds)
 
     def reserve(self, running: list[Request], max_model_len: int) -> None:
         """Choose k per decoding request and reserve room for its draft tokens."""
@@ -115,7 +151,8 @@ class Speculator:
         if not to_draft and not catch_up:
             return {}
         probs = {}
-        proposals = self.proposer.propose(to_draft, ks, self._clock_draft_forward, catch_up, pending)
+        timer = self.current.timer if self.current is not None else None
+        proposals = self.proposer.propose(to_draft, ks, timer, catch_up, pending)
         for r, proposal in zip(to_draft, proposals):
             r.spec.draft_token_ids, r.spec.proposal = proposal.token_ids, proposal
             probs[r.request_id] = proposal.probs
@@ -138,12 +175,6 @@ class Speculator:
             rows.append((r, end))
             budget -= end - start
         return rows
-
-    def observe_step(self, batch: ScheduledBatch, lookahead: list[int], num_new_tokens: int, seconds: float) -> None:
-        """Feed a decode-only step (each request computes its last token plus its `lookahead`
-        draft tokens, nothing else) to the policy."""
-        if self.proposer is not None and self.decode_only(batch, lookahead):
-            self.policy.observe_step(any(lookahead), len(batch.requests), num_new_tokens, seconds)
 
     def record(self, request: Request, k: int, num_accepted: int) -> None:
         self.policy.observe_verification(request, k, num_accepted)

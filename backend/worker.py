@@ -24,7 +24,7 @@ from backend.attention import make_attention_backend
 from backend.config import EngineConfig
 from backend.distributed import (RANK_SECRET_VARIABLE, RankGroups, Sends, join, rank_secret_from_env, recv_step,
                                  send_busy, send_step)
-from backend.engine import resolve_device
+from backend.device import bind_device, resolve_device
 from backend.model_loader import TORCH_DTYPES, load_hf_config, load_model
 from backend.model_runner import ModelRunner
 from backend.pipeline_parallel import pipeline_stage
@@ -42,6 +42,7 @@ def run_rank(groups: RankGroups, config: EngineConfig) -> list[tuple[float, floa
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
+    bind_device(device)  # this process steps on its main thread
     dtype = TORCH_DTYPES[config.dtype]
     hf_config = load_hf_config(config.model)
     max_model_len = config.max_model_len or hf_config.max_position_embeddings

@@ -39,7 +39,8 @@ from tqdm import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
 from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine, resolve_device  # noqa: E402
+from backend.device import resolve_device  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
 from backend.model_loader import TORCH_DTYPES  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
 

@@ -1,19 +1,34 @@
 #!/usr/bin/env bash
-# The GPU checks in one run: native kernel tests, decode-attention and small-batch linear bandwidth,
-# end to end vs HF, host work per step.
-# Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [tests] [bandwidth] [e2e] [host]
-# (no arguments: all four)
+# The GPU checks in one run: native kernel tests, the model tests on CUDA, the step path (graph
+# replays and host waits per step, plain and speculating, overlapped or not), decode-attention and
+# small-batch linear bandwidth, end to end vs HF, host work per step.
+# Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [tests] [model] [steps] [bandwidth] [e2e] [host]
+# (no arguments: all). The engine needs msgspec: a machine without it takes the wheel from .gpu/
+# (python3 -m pip download msgspec --only-binary=:all: --python-version 3.12 --implementation cp
+#  --platform manylinux_2_17_x86_64 -d .gpu), as the bundle's other wheels.
 set -u
 OUT=${OUT:-perf/results/gpu}
-STEPS=${*:-tests bandwidth e2e host}
+STEPS=${*:-tests model steps bandwidth e2e host}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+$PY -c "import msgspec" 2>/dev/null || $PY -m pip install -q --no-index --find-links .gpu msgspec 2>&1 | tail -2
 if [[ $STEPS == *tests* ]]; then
   echo "== kernel tests (native CUDA)"
   timeout 170 $PY -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/kernel_tests.txt"
+fi
+if [[ $STEPS == *model* ]]; then
+  echo "== model tests on CUDA (engine == HF, overlapped == plain, speculation with overlap, the step path)"
+  timeout 240 $PY -m pytest tests/model/test_gpu_path.py tests/model/test_engine_vs_hf.py tests/model/test_overlapped_steps.py \
+    tests/model/test_speculative.py -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/model_tests.txt"
+  echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/model_tests.txt"
+fi
+if [[ $STEPS == *steps* ]]; then
+  echo "== the step path, Llama-3.2-1B shape, bf16: graph replays and host waits per step"
+  timeout 150 $PY perf/bench_step_path.py --shape 1b --batch-sizes 1 8 64 --json "$OUT/step_path.json" 2>&1 \
+    | grep -v -E "Loading|Writing" | tail -16 | tee "$OUT/step_path.txt"
 fi
 if [[ $STEPS == *bandwidth* ]]; then
   echo "== decode attention bandwidth"

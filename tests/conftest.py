@@ -62,5 +62,12 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bad_draft(tmp_path_factory) -> Path:
+    """A draft that is bad on purpose: random weights, another shape."""
+    return write_tiny_model(tmp_path_factory.mktemp("bad_draft"), "llama", seed=7, hidden_size=32,
+                            intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=1, tie_word_embeddings=True)

@@ -91,11 +91,11 @@ def test_the_core_process_gives_what_the_engine_gives_in_process(config):
 
 def test_a_dead_core_ends_every_request_and_refuses_new_ones(config):
     client, collector = generating(config, 3)
+    assert not collector.final  # all three generating when the core dies
     os.kill(client.process.pid, signal.SIGKILL)
-    started = time.monotonic()
     assert collector.done.wait(10)
-    assert time.monotonic() - started < 10
     assert {o.error for o in collector.final.values()} == {ENGINE_DEAD}
+    assert all(len(tokens) < 400 for tokens in collector.tokens.values())  # ended by the death, not by length
     assert client.dead
     with pytest.raises(EngineDeadError):
         client.submit([3, 4], SamplingParams(max_tokens=2), collector)

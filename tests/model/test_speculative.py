@@ -16,13 +16,6 @@ from tests.conftest import write_tiny_model
 from tests.model.test_engine_vs_hf import mixed_prompts, run_engine
 
 
-@pytest.fixture(scope="module")
-def bad_draft(tmp_path_factory):
-    """A draft that is bad on purpose: random weights, another shape."""
-    return write_tiny_model(tmp_path_factory.mktemp("bad_draft"), "llama", seed=7, hidden_size=32,
-                            intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-
-
 def spec_engine(model, draft=None, method="draft", **knobs) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=str(model), speculative_method=method, draft_model=str(draft) if draft else None, **knobs

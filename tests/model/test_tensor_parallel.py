@@ -174,9 +174,10 @@ def test_a_dead_worker_ends_every_request(tiny_llama):
     for i in range(3):
         loop.submit([5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), collector)
     time.sleep(0.5)
+    assert not collector.final  # all three generating when the worker dies
     loop.engine.workers.workers[0].send_signal(signal.SIGKILL)
-    started = time.monotonic()
-    assert collector.done.wait(10) and time.monotonic() - started < 10
+    assert collector.done.wait(10)
     assert {o.error for o in collector.final.values()} == {ENGINE_DEAD}
+    assert all(len(tokens) < 400 for tokens in collector.tokens.values())  # ended by the death, not by length
     assert loop.dead
     loop.shutdown()

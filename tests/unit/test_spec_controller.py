@@ -68,14 +68,14 @@ def test_expected_tokens_follow_the_measured_survival_not_a_geometric_guess():
     (r,) = _requests(c, 1, 0.5)
     own = r.spec.survival
     own.reached[:], own.survived[:] = 1000, [600, 500, 450, 420]
-    assert c.expected_tokens(r) == pytest.approx([1, 1.6, 2.1, 2.55, 2.97], abs=0.01)
+    assert c.expected_tokens_batch([r])[0] == pytest.approx([1, 1.6, 2.1, 2.55, 2.97], abs=0.01)
 
 
 def test_a_new_request_starts_from_the_batch_curve():
     c = SpecController(max_k=3)
     _requests(c, 2, 0.9)
     newcomer = Request("new", [1], SamplingParams())
-    assert c.expected_tokens(newcomer) == pytest.approx(1 + np.cumsum([1, 0.9, 0.9**2, 0.9**3]) - 1, abs=0.01)
+    assert c.expected_tokens_batch([newcomer])[0] == pytest.approx(1 + np.cumsum([1, 0.9, 0.9**2, 0.9**3]) - 1, abs=0.01)
 
 
 def test_a_costly_first_draft_forward_favours_longer_drafts():
@@ -280,7 +280,7 @@ def test_speculator_counts_a_verification_by_its_expected_yield():
     spec.reserve([r], max_model_len=100)
     k = r.spec.num_lookahead_tokens
     assert k > 0  # room reserved; the drafts come once the step is scheduled
-    expected = spec.policy.controller.expected_tokens(r)[k]
+    expected = spec.policy.controller.expected_tokens_batch([r])[0][k]
     spec.record(r, k, 0)  # every draft token rejected: 1 token realized
     assert spec.policy.yield_correction == pytest.approx(expected - 1)
     assert expected > 1

@@ -1,0 +1,183 @@
+"""What the GPU path must do, checked on the CPU: the host's waits per step (counted on every
+device), no wait for the whole device queue on the step path, adaptive k with overlapped steps,
+the engine's thread binding its device, which steps a CUDA graph replays (overlapped decode and
+verification steps among them), and that what a graph replays computes what the eager step does."""
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend import engine_loop
+from backend.attention import TorchAttention
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.engine_loop import EngineLoop
+from backend.model_loader import load_model
+from backend.model_runner import GRAPH_BATCH_SIZES, ModelRunner, StepInput, graph_shape
+from backend.sampling_params import SamplingParams
+
+BACKEND = Path(__file__).resolve().parents[2] / "backend"
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[int]:
+    """Run the requests to the end; the host waits of each step."""
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return list(engine.host_waits.per_step)[-steps:]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_plain_decoding_waits_once_per_step(tiny_llama, overlap):
+    """Overlapped: the first step (a prefill, sampled) reads nothing back; every later one reads
+    the step before it, once. Plain: every step reads its own tokens, once."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), async_scheduling=overlap))
+    waits = _decode(engine, [[5, 6, 7, 8], [9, 10, 11]])
+    assert waits == ([0] if overlap else [1]) + [1] * (len(waits) - 1)
+    assert len(waits) == 12 + overlap  # overlapped: the last tokens are read back one step later
+
+
+def test_speculation_with_overlapped_steps_waits_at_most_twice_per_step(tiny_llama):
+    """The read-back of the step before, and the host copy of drafts proposed from its tokens
+    while they were still on the device: never once per draft forward."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), speculative_method="draft", draft_model=str(tiny_llama),
+                                    num_speculative_tokens=3, adaptive_speculation=False, async_scheduling=True))
+    waits = _decode(engine, [[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                       ignore_eos=True))
+    assert max(waits) == 2 and waits.count(2) >= 3
+    assert engine.stats().spec_draft_tokens_total > 0
+
+
+def test_nothing_on_the_step_path_waits_for_the_whole_device():
+    """torch.cuda.synchronize only where graphs are captured at start-up (and the start-up tuner);
+    every other wait is for one event, through host_waits.py. Checked in the source: a CPU run
+    never reaches a CUDA-only branch."""
+    allowed = {"model_runner.py": 2, "linear_tuner.py": 1}  # capture_decode_graphs; tune_small_batch_linears
+    for path in sorted(BACKEND.glob("*.py")):
+        found = len(re.findall(r"\bsynchronize\(", path.read_text()))
+        if path.name == "host_waits.py":
+            assert found == 1  # event.synchronize() in HostWaits.wait: the one place that waits
+        else:
+            assert found == allowed.get(path.name, 0), path.name
+
+
+def test_adaptive_k_changes_k_with_overlapped_steps(tiny_llama, bad_draft):
+    """A draft that is always rejected: adaptive k, fed after each read-back, lowers k (or turns
+    speculation off), where before overlapped steps kept k fixed at num_speculative_tokens."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), speculative_method="draft", draft_model=str(bad_draft),
+                                    num_speculative_tokens=4, async_scheduling=True))
+    assert engine.overlap and engine.speculator.policy.adaptive
+    plan, ks = engine.speculator.policy.controller.plan, []
+
+    def recorded_plan(requests):
+        ks.extend(plan(requests))
+        return ks[-len(requests):]
+
+    engine.speculator.policy.controller.plan = recorded_plan
+    _decode(engine, [[5 + i, 6, 7, 8] for i in range(4)], SamplingParams(max_tokens=60, temperature=0.0,
+                                                                        ignore_eos=True))
+    assert 0 < ks[0] and ks[-1] == 0  # k came down (fixed, it would stay 4) ...
+    assert engine.speculator.policy.controller.target_cost.ready  # ... from costs measured after read-backs
+
+
+def test_the_engine_thread_binds_its_device(tiny_llama, monkeypatch):
+    """CUDA's current device is per thread: the loop's own thread binds the engine's device before
+    its first step (an instance on cuda:N would otherwise launch on GPU 0)."""
+    bound = []
+    monkeypatch.setattr(engine_loop, "bind_device", lambda device: bound.append((device, threading.current_thread().name)))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama)))
+    loop = EngineLoop(engine)
+    done = threading.Event()
+    loop.start()
+    loop.submit([5, 6, 7], GREEDY, lambda out: out.finished and done.set())
+    assert done.wait(60)
+    loop.shutdown()
+    assert bound == [(engine.device, "specserve-engine")]
+
+
+def test_graph_shape_takes_uniform_steps_only():
+    sizes, q_lens = (1, 2, 4, 8), (1, 4)
+
+    def step(tokens_per_request, num_logits=None, offsets=None):
+        n = len(tokens_per_request)
+        return StepInput([[0] * q for q in tokens_per_request], [5] * n, [[1]] * n,
+                         num_logits or list(tokens_per_request), position_offsets=offsets)
+
+    assert graph_shape(step([1, 1, 1]), sizes, q_lens) == (4, 1)  # decode, padded to the bucket
+    assert graph_shape(step([1] * 3, offsets=torch.zeros(3)), sizes, q_lens) == (4, 1)  # overlapped
+    assert graph_shape(step([4] * 5), sizes, q_lens) == (8, 4)  # verification of 3 drafts each
+    assert graph_shape(step([1, 4]), sizes, q_lens) is None  # mixed
+    assert graph_shape(step([3, 3]), sizes, q_lens) is None  # a k that was not captured
+    assert graph_shape(step([4, 4], num_logits=[1, 1]), sizes, q_lens) == (2, 4)  # the last token's logits
+    assert graph_shape(step([4, 4], num_logits=[2, 2]), sizes, q_lens) is None
+    assert graph_shape(step([1] * 9), sizes, q_lens) is None  # past the biggest bucket
+
+
+@pytest.mark.parametrize("q,num_logits,offsets", [(1, 1, None), (1, 1, [0, -2, 0]), (4, 4, None), (4, 4, [-3, 0, -1]),
+                                                  (2, 1, [-1, 0, -2])])
+def test_what_a_graph_replays_computes_the_eager_step(tiny_llama, q, num_logits, offsets):
+    """The forward a graph captures (from its static inputs, offsets applied on the device) gives
+    the eager step's logits and writes its K/V to the same slots; padding rows write nowhere."""
+    model, _ = load_model(tiny_llama, "float32", torch.device("cpu"), 256)
+
+    def runner():
+        r = ModelRunner(model, TorchAttention(), num_blocks=32, block_size=8, device=torch.device("cpu"),
+                        dtype=torch.float32)
+        torch.manual_seed(0)
+        for k, v in r.kv_caches:  # a context already cached
+            k.normal_(), v.normal_()
+        return r
+
+    tables = [[3, 4, 9], [5, 6], [8, 10, 11, 12]]
+    step = StepInput([[7 + i + j for j in range(q)] for i in range(3)], [17, 12, 26], tables, [num_logits] * 3,
+                     position_offsets=None if offsets is None else torch.tensor(offsets))
+    eager, graphed = runner(), runner()
+    expected = eager.run(step)
+    graphed.init_graph_io(max_batch_size=8, max_model_len=256, query_lens=(1, 2, 4))
+    bucket, got_q = graphed.stage_graph_inputs(step)
+    assert (bucket, got_q) == (4, q)
+    got = graphed.step_logits(graphed.graph_forward_static(bucket, q), step)
+    torch.testing.assert_close(got, expected)
+    for (k1, v1), (k2, v2) in zip(eager.kv_caches, graphed.kv_caches):
+        torch.testing.assert_close(k1, k2)  # the same slots written, nothing else (padding included)
+        torch.testing.assert_close(v1, v2)
+
+
+def _graph_shapes(runner, query_lens) -> list:
+    """The graph shape of each step the runner runs from now on (None: eager)."""
+    shapes, real_run = [], runner.run
+
+    def run(step, *args):
+        shapes.append(graph_shape(step, GRAPH_BATCH_SIZES, query_lens))
+        return real_run(step, *args)
+
+    runner.run = run
+    return shapes
+
+
+def test_overlapped_decode_and_verification_steps_fit_a_graph(tiny_llama):
+    """Every step after the prefill fits a captured graph: overlapped plain decode (before, its
+    position offsets made it run eagerly), and verification steps of a fixed k with overlap."""
+    plain = LLMEngine(EngineConfig(model=str(tiny_llama), async_scheduling=True))
+    shapes = _graph_shapes(plain.runner, (1,))
+    _decode(plain, [[5, 6, 7, 8], [9, 10, 11]])
+    assert shapes[0] is None and shapes[1:] == [(2, 1)] * (len(shapes) - 1)
+
+    spec = LLMEngine(EngineConfig(model=str(tiny_llama), speculative_method="draft", draft_model=str(tiny_llama),
+                                  num_speculative_tokens=3, adaptive_speculation=False, async_scheduling=True))
+    shapes = _graph_shapes(spec.runner, (1, 4))
+    draft_shapes = _graph_shapes(spec.speculator.proposer.runner, (1, 2))
+    _decode(spec, [[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert shapes[0] is None and shapes[-1] is None  # the prefill; the last step, 2 tokens from max_tokens
+    assert shapes[1:-1] == [(2, 4)] * (len(shapes) - 2) and len(shapes) >= 6
+    # the draft: after its prefill, every forward fits, among them those that read [the token
+    # before the last, the last] after a verification
+    assert draft_shapes[0] is None and None not in draft_shapes[1:] and (2, 2) in draft_shapes
