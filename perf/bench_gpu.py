@@ -32,7 +32,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.prompts import DEFAULT_TARGET  # noqa: E402
+from perf.prompts import TINY_PAIR  # noqa: E402
 
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64,
@@ -49,7 +49,7 @@ def write_model(path: Path, shape: dict, device: torch.device) -> int:
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     # any tokenizer serves: the output text is not measured (ids past its vocabulary decode to "")
-    AutoTokenizer.from_pretrained(str(DEFAULT_TARGET)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(TINY_PAIR / "target")).save_pretrained(path)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 

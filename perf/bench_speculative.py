@@ -30,7 +30,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.prompts import DEFAULT_DRAFT, DEFAULT_TARGET, code_prompts  # noqa: E402
+from perf.prompts import TINY_PAIR, code_prompts  # noqa: E402
 
 METHODS = {  # name -> engine knobs
     "none": dict(speculative_method="none"),
@@ -100,16 +100,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="target weights and KV")
     ap.add_argument("--draft-dtype", default="float32", help="draft weights and KV (a tiny draft is faster in "
                     "float32 on a CPU)")
+    # the tiny pair until the default model (SmolLM2) has a draft of its own
+    ap.add_argument("--target", type=Path, default=TINY_PAIR / "target", help="target checkpoint (default: %(default)s)")
+    ap.add_argument("--draft", type=Path, default=TINY_PAIR / "draft", help="draft checkpoint (default: %(default)s)")
     ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "none, 2nd engine"], choices=list(METHODS),
                     help="the first is the baseline of every ratio")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_TARGET))
+    tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     engines = {}
     for name in args.methods:
         engines[name] = LLMEngine(EngineConfig(
-            model=str(DEFAULT_TARGET), draft_model=str(DEFAULT_DRAFT), num_threads=args.threads,
+            model=str(args.target), draft_model=str(args.draft), num_threads=args.threads,
             max_num_seqs=max(args.batch_sizes), dtype=args.dtype, draft_dtype=args.draft_dtype, **METHODS[name]))
     rows = []
     cases = [(b, t) for b in args.batch_sizes for t in args.temperatures]

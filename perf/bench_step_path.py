@@ -82,7 +82,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         write_model(Path(tmp), SHAPE_1B if args.shape == "1b" else SHAPE_TINY, device)
-        print(f"| mode | batch | ms/step | ms/token/request | graph replays/step | forwards/step | host waits/step (mean, max) |")
+        print("| mode | batch | ms/step | ms/token/request | graph replays/step | forwards/step | host waits/step (mean, max) |")
         print("|---|---:|---:|---:|---:|---:|---|")
         for mode in args.modes:
             for batch in args.batch_sizes:

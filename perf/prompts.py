@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = REPO_ROOT / "model_repository" / "llm_engine" / "1" / "target"
-DEFAULT_DRAFT = REPO_ROOT / "model_repository" / "llm_engine" / "1" / "draft"
+TINY_PAIR = REPO_ROOT / "tests" / "fixtures" / "tiny_pair"  # the test pair (the default before SmolLM2)
 
 
 def heldout_texts(seed: int = 1234) -> list[str]:

@@ -1,4 +1,4 @@
-"""Evaluate the default draft/target pair on held-out standard-library files, or (``--heldout
+"""Evaluate the tiny draft/target pair (tests/fixtures/tiny_pair) on held-out standard-library files, or (``--heldout
 projects``) on whole installed projects that the broad corpus holds out of training, one row each.
 
 Reports held-out loss and perplexity of both models, how often the draft's greedy token matches the
@@ -7,7 +7,7 @@ q draft; Leviathan et al. 2023, arXiv 2211.17192) at temperature 1 and 0.7, the 
 c of a draft decode step to a target decode step, and the predicted speedup
 S(k) = (1 - a^(k+1)) / ((1 - a)(k c + 1)) for k = 1..6 draft tokens per step.
 
-    python scripts/eval_default_models.py            # models in model_repository/llm_engine/1
+    python scripts/eval_default_models.py            # models in tests/fixtures/tiny_pair
     python scripts/eval_default_models.py --heldout projects --windows 8
 
 Acceptance at T = 0 is the greedy agreement (the draft's argmax is accepted exactly when it is the

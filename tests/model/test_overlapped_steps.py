@@ -12,7 +12,7 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.sampling_params import SamplingParams
 
-TARGET = Path(__file__).resolve().parents[2] / "model_repository" / "llm_engine" / "1" / "target"
+TARGET = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_pair" / "target"  # a small trained model
 
 
 def requests(seed: int = 0) -> list[tuple[list[int], SamplingParams]]:

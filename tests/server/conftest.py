@@ -1,9 +1,9 @@
 """A real tritonserver for the server tests: one per session, on free ports, via serving.launcher.
 
-It serves the repository's own model_repository. Where the default model has not been put in
-`model_repository/llm_engine/1/target`, the same configs are served with a tiny random Llama
-instead (a copy of the repository whose model paths point at it), so the serving path is still
-tested end to end.
+It serves a copy of the repository's model_repository (the same configs and model code) whose
+model paths point at the tiny committed pair in tests/fixtures/tiny_pair, which keeps the suite
+fast where the model does not matter. Tests of the default model itself (SmolLM2-135M-Instruct,
+converted at set-up into `model_repository/llm_engine/1/target`) pass `model_dir=DEFAULT_MODEL`.
 """
 from __future__ import annotations
 
@@ -23,16 +23,18 @@ from pathlib import Path
 import pytest
 
 from serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_server
-from tests.conftest import free_port, write_tiny_model
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.server
 # a request with this seed raises inside a step after two tokens (backend/fault_injection.py)
 FAULT_SEED = 4242
+# the default model: SmolLM2-135M-Instruct, converted at set-up (scripts/convert_default_model.py)
 DEFAULT_MODEL = DEFAULT_MODEL_REPOSITORY / "llm_engine" / "1" / "target"
-TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+# what the server tests serve unless they ask for the default model: a 12.6M-parameter Llama and
+# its 1.4M draft trained on Python's standard library (scripts/train_default_models.py)
+TEST_PAIR = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_pair"
+TEST_MODEL = TEST_PAIR / "target"
+TEST_DRAFT = TEST_PAIR / "draft"
 
 
 @dataclass
@@ -94,37 +96,18 @@ def wait_until_unloaded(server: Server, model: str, timeout: float = 30.0) -> No
     assert not model_ready(server, model)
 
 
-def _repository_with_tiny_model(root: Path) -> tuple[Path, Path]:
-    model_dir = write_tiny_model(root / "tiny_llama")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    tokenizer.save_pretrained(model_dir)
-    repository = root / "model_repository"
-    for model in ("preprocessing", "llm_engine", "llm", "llm_bls", "trtllm_preprocessing", "ensemble"):
-        (repository / model).mkdir(parents=True)
-        config = (DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text()
-        config = config.replace('"llm_engine/1/target"', f'"{model_dir}"')  # preprocessing
-        config = config.replace('"1/target"', f'"{model_dir}"')  # llm_engine
-        (repository / model / "config.pbtxt").write_text(config)
-        version = repository / model / "1"
-        version.mkdir()
-        for source in (DEFAULT_MODEL_REPOSITORY / model / "1").glob("*.py"):
-            shutil.copy(source, version / source.name)
-    return repository, model_dir
-
-
-def _repository_with_parameters(root: Path, parameters: dict[str, str], engine_config: str = "") -> Path:
-    """A copy of the default model repository (models by absolute path) with some of llm_engine's
-    parameters set; `engine_config` replaces llm_engine's instance_group line (instance groups,
-    a queue policy)."""
+def _repository_with_parameters(root: Path, parameters: dict[str, str], engine_config: str = "",
+                                model_dir: Path = TEST_MODEL, draft_dir: Path = TEST_DRAFT) -> Path:
+    """A copy of the default model repository serving `model_dir` (and `draft_dir` where a config
+    names the draft) by absolute path, with some of llm_engine's parameters set; `engine_config`
+    replaces llm_engine's instance_group line (instance groups, a queue policy)."""
     repository = root / "model_repository"
     for model in ("preprocessing", "llm_engine", "llm", "llm_bls", "trtllm_preprocessing", "ensemble"):
         (repository / model / "1").mkdir(parents=True)
         config = (DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text()
-        config = config.replace('"llm_engine/1/target"', f'"{DEFAULT_MODEL}"')  # preprocessing
-        config = config.replace('"1/target"', f'"{DEFAULT_MODEL}"')  # llm_engine
+        config = config.replace('"llm_engine/1/target"', f'"{model_dir}"')  # preprocessing
+        config = config.replace('"1/target"', f'"{model_dir}"')  # llm_engine
+        config = config.replace('"1/draft"', f'"{draft_dir}"')
         for key, value in parameters.items():
             config, n = re.subn(rf'(key: "{key}", value: {{ string_value: )"[^"]*"', rf'\1"{value}"', config)
             assert model != "llm_engine" or n == 1, f"no parameter {key} in llm_engine's config"
@@ -138,16 +121,11 @@ def _repository_with_parameters(root: Path, parameters: dict[str, str], engine_c
 
 
 def start_test_server(root: Path, fault_injection: str, parameters: dict[str, str] | None = None,
-                      engine_config: str = "") -> Server:
-    """tritonserver on free ports over the default model (or a tiny one), its log in `root`;
-    `parameters` set some of llm_engine's, `engine_config` replaces its instance_group line (the
-    default model only)."""
-    if (DEFAULT_MODEL / "config.json").exists():
-        repository, model_dir = DEFAULT_MODEL_REPOSITORY, DEFAULT_MODEL
-        if parameters or engine_config:
-            repository = _repository_with_parameters(root, parameters or {}, engine_config)
-    else:
-        repository, model_dir = _repository_with_tiny_model(root)
+                      engine_config: str = "", model_dir: Path = TEST_MODEL) -> Server:
+    """tritonserver on free ports over `model_dir` (the tiny test pair's target unless asked), its
+    log in `root`; `parameters` set some of llm_engine's, `engine_config` replaces its
+    instance_group line."""
+    repository = _repository_with_parameters(root, parameters or {}, engine_config, model_dir)
     handle = start_server(
         repository,
         http_port=free_port(),

@@ -12,12 +12,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client.stream import GenerationError, complete, generate
-from tests.server.conftest import DEFAULT_MODEL, start_test_server
+from tests.server.conftest import start_test_server
 
-pytestmark = [
-    pytest.mark.server,
-    pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").exists(), reason="needs the default model"),
-]
+pytestmark = pytest.mark.server
 
 FATAL_SEED = 777  # a request with this seed kills its instance's engine after two tokens
 TWO_INSTANCES = "instance_group [ { count: 2, kind: KIND_CPU } ]"

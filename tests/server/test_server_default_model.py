@@ -1,0 +1,67 @@
+"""The default model (SmolLM2-135M-Instruct) served as `make serve` serves it: chat through `llm`,
+`llm_bls` and the OpenAI API is rendered exactly as `apply_chat_template` renders it, gives real
+answers, and the served greedy output equals HF `generate` on the converted checkpoint."""
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from client.stream import complete
+from scripts.chat_prompts import chat
+from tests.server.conftest import DEFAULT_MODEL, openai_server, start_test_server
+
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(not (DEFAULT_MODEL / "conversion.json").is_file(),
+                       reason="run scripts/convert_default_model.py (make test does)"),
+]
+QUESTION = chat("What is the capital of France?")
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smol_server(tmp_path_factory):
+    server = start_test_server(tmp_path_factory.mktemp("smollm2"), "", model_dir=DEFAULT_MODEL)
+    yield server
+    server.handle.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(DEFAULT_MODEL, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def hf_answer(tokenizer):
+    """HF generate's greedy answer to QUESTION in float32, and the rendered prompt."""
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32, local_files_only=True).eval()
+    rendered = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(rendered, add_special_tokens=False).input_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+    return rendered, ids.shape[1], tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("model", ["llm", "llm_bls"])
+def test_chat_is_rendered_with_the_template_and_answers_as_hf(smol_server, hf_answer, model):
+    rendered, num_prompt_tokens, answer = hf_answer
+    assert "Paris" in answer
+    params = dict(max_tokens=MAX_TOKENS, temperature=0.0, return_num_input_tokens=True, model=model)
+    streamed = complete(smol_server.grpc_url, messages=QUESTION, **params)
+    assert streamed.text == answer
+    assert streamed.chunks[-1].num_input_tokens == num_prompt_tokens
+    echoed = complete(smol_server.grpc_url, messages=QUESTION, stream=False, exclude_input_in_output=False, **params)
+    assert echoed.text == rendered + answer
+
+
+def test_openai_chat_answers_as_hf(smol_server, hf_answer):
+    _, num_prompt_tokens, answer = hf_answer
+    with openai_server(smol_server) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        reply = client.chat.completions.create(model="specserve", messages=QUESTION, max_tokens=MAX_TOKENS,
+                                               temperature=0)
+    assert reply.choices[0].message.content == answer
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens == num_prompt_tokens
