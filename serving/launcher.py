@@ -421,9 +421,9 @@ def main(argv: list[str] | None = None) -> int:
 
         supervisor = EngineSupervisor(handle, give_up, log=lambda line: print(line, file=sys.stderr, flush=True)).start()
 
-    def forward(signum, _frame):
+    def forward(signum, _frame):  # a signal handler: no locks (a second signal may interrupt the first)
         if supervisor is not None:
-            supervisor.stopping.set()  # a server shutting down is not reloaded
+            supervisor.shutting_down = True  # a server shutting down is not loaded again
         for process in (handle.process, openai):
             if process is not None and process.poll() is None:
                 process.send_signal(signum)

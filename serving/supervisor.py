@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -37,6 +38,9 @@ class EngineSupervisor:
         self.backoff_s, self.max_failed_loads = backoff_s, max_failed_loads
         self.reloads = 0  # loads that brought the model back
         self.stopping = threading.Event()
+        # set from a signal handler, where no lock may be taken (Event.set takes one): the server
+        # is shutting down, nothing is loaded again
+        self.shutting_down = False
         self.thread = threading.Thread(target=self._watch, name="specserve-supervisor", daemon=True)
 
     def start(self) -> EngineSupervisor:
@@ -47,14 +51,24 @@ class EngineSupervisor:
         self.stopping.set()
         self.thread.join(timeout=10)
 
+    def _sleep(self, seconds: float) -> bool:
+        """Wait `seconds`; False as soon as the supervisor is stopped or the server shuts down."""
+        deadline = time.monotonic() + seconds
+        while not (self.stopping.is_set() or self.shutting_down):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            self.stopping.wait(min(left, 0.25))
+        return False
+
     def _watch(self) -> None:
         failed, wait = 0, self.backoff_s
-        while not self.stopping.wait(CHECK_INTERVAL_S):
+        while self._sleep(CHECK_INTERVAL_S):
             if self.handle.process.poll() is not None or self._ready():
                 failed, wait = 0, self.backoff_s
                 continue
             self.log(f"specserve: {self.model} is not ready; loading it again in {wait:.0f} s")
-            if self.stopping.wait(wait):
+            if not self._sleep(wait):
                 return
             error = self._load()
             if error is None and self._ready():

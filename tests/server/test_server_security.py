@@ -4,9 +4,13 @@ itself (the launcher's supervisor loads llm_engine again) without anyone acting.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -109,3 +113,34 @@ def test_a_supervisor_that_cannot_bring_the_engine_back_gives_up(server):
         assert model_ready(server, "llm_engine")  # nothing else was touched
     finally:
         supervisor.stop()
+
+
+def test_the_launcher_shuts_down_on_repeated_ctrl_c(tmp_path):
+    """`make serve` as a user runs it: the launcher (with its supervisor and the OpenAI server),
+    then Ctrl-C three times in a row. It stops tritonserver and exits, and nothing it started is
+    left. (Its signal handler takes no lock: a signal that arrives while another is handled
+    would otherwise deadlock it, which a test cannot time reliably.)"""
+    from tests.conftest import free_port
+    from tests.server.conftest import _repository_with_parameters
+
+    repository = _repository_with_parameters(tmp_path, {})
+    ports = [str(free_port()) for _ in range(4)]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "serving.launcher", "--model-repository", str(repository), "--http-port", ports[0],
+         "--grpc-port", ports[1], "--metrics-port", ports[2], "--openai-port", ports[3], "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[2])
+    try:
+        for line in launcher.stdout:
+            if "specserve is ready" in line:
+                break
+        else:
+            pytest.fail("the launcher never became ready")
+        assert complete(f"127.0.0.1:{ports[1]}", "Once upon a time", max_tokens=2, temperature=0).text is not None
+        for _ in range(3):
+            launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=90) in (0, -signal.SIGINT, 130)
+        children = subprocess.run(["pgrep", "-f", f"--http-port={ports[0]}"], capture_output=True, text=True)
+        assert children.stdout == ""  # no tritonserver left
+    finally:
+        launcher.kill()
+        launcher.wait()
