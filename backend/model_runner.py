@@ -26,24 +26,28 @@ from backend.uploads import on_device
 # graph buckets: a batch runs in the smallest that holds it, padded; steps of 8, then 16, keep the
 # padding (whole rows of every matmul) under 12% from 64 requests up
 GRAPH_BATCH_SIZES = (1, 2, 4) + tuple(range(8, 64, 8)) + tuple(range(64, 257, 16))
+# graphs of several tokens per request only up to this batch: each graph keeps its float32 logits
+# ([batch x q, vocab]: 160 MB at 64 x 5 and a 128k vocabulary), and speculation pays at small
+# batches (adaptive k turns it off at large ones)
+MAX_MULTI_TOKEN_GRAPH_BATCH = 64
 
 
-def graph_shape(step: StepInput, batch_sizes: tuple[int, ...], query_lens: tuple[int, ...]) -> tuple[int, int] | None:
+def graph_shape(step: StepInput, sizes: dict[int, tuple[int, ...]]) -> tuple[int, int] | None:
     """The (batch bucket, tokens per request) of the graph that can replay `step`, or None. It
     fits when every request computes the same number q of tokens, q one of `query_lens` (1: a
     decode step; k + 1: a verification of k drafts each; 2: a draft's first forward after one),
-    every request wants the logits of all q or of its last token only, and the batch fits a
-    bucket. Offsets known only on the device (overlapped steps) do not matter: the graph applies
-    them."""
-    if not step.token_ids or not batch_sizes:
+    every request wants the logits of all q or of its last token only, and the batch fits one of
+    the buckets captured for q (`sizes`: q -> batch buckets). Offsets known only on the device
+    (overlapped steps) do not matter: the graph applies them."""
+    if not step.token_ids:
         return None
     q, m = len(step.token_ids[0]), step.num_logits[0]
-    if q not in query_lens or any(len(t) != q for t in step.token_ids):
+    if q not in sizes or any(len(t) != q for t in step.token_ids):
         return None
     if m not in (1, q) or any(n != m for n in step.num_logits):
         return None
     b = len(step.token_ids)
-    fitting = [size for size in batch_sizes if size >= b]
+    fitting = [size for size in sizes[q] if size >= b]
     return (min(fitting), q) if fitting else None
 
 
@@ -117,8 +121,7 @@ class ModelRunner:
         ]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, tokens per request) -> graph
         self.graph_io: dict[str, torch.Tensor] = {}  # static inputs and outputs shared by all graphs
-        self.graph_batch_sizes: tuple[int, ...] = ()
-        self.graph_query_lens: tuple[int, ...] = ()
+        self.graph_sizes: dict[int, tuple[int, ...]] = {}  # tokens per request -> batch buckets captured
         self.graph_max_seqlen_k = 0
         self.graph_replays = 0
         self.decode_inputs: DecodeInputs | None = None  # host staging of the graphs' inputs
@@ -131,9 +134,10 @@ class ModelRunner:
         """The static inputs every graph reads (and their host staging), for batches up to
         `max_batch_size` in GRAPH_BATCH_SIZES buckets and `query_lens` tokens per request. Made
         on any device: on a CPU `graph_forward` runs what a graph would replay."""
-        self.graph_batch_sizes = tuple(b for b in GRAPH_BATCH_SIZES if b < max_batch_size) + (max_batch_size,)
-        self.graph_query_lens = tuple(sorted(set(query_lens)))
-        biggest, max_q = max(self.graph_batch_sizes), max(self.graph_query_lens)
+        batch_sizes = tuple(b for b in GRAPH_BATCH_SIZES if b < max_batch_size) + (max_batch_size,)
+        self.graph_sizes = {q: batch_sizes if q == 1 else tuple(b for b in batch_sizes if b <= MAX_MULTI_TOKEN_GRAPH_BATCH)
+                            for q in sorted(set(query_lens))}
+        biggest, max_q = max(batch_sizes), max(self.graph_sizes)
         self.graph_max_seqlen_k = max_model_len
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         dev = self.device
@@ -141,12 +145,12 @@ class ModelRunner:
             input_ids=torch.zeros(biggest * max_q, dtype=torch.int64, device=dev),
             positions=torch.zeros(biggest * max_q, dtype=torch.int64, device=dev),
             slot_mapping=torch.full((biggest * max_q,), PAD_SLOT, dtype=torch.int64, device=dev),
-            seq_lens=torch.ones(biggest, dtype=torch.int32, device=dev),
+            seq_lens=torch.full((biggest,), max_q, dtype=torch.int32, device=dev),  # >= q: warm-up reads cached tokens
             block_tables=torch.full((biggest, max_blocks), PAD_BLOCK, dtype=torch.int32, device=dev),
             position_offsets=torch.zeros(biggest, dtype=torch.int64, device=dev),
             logits_indices=torch.arange(biggest * max_q, dtype=torch.int64, device=dev),
         )
-        for q in self.graph_query_lens:
+        for q in self.graph_sizes:
             self.graph_io[f"cu_seqlens_q_{q}"] = torch.arange(0, (biggest + 1) * q, q, dtype=torch.int32, device=dev)
             self.graph_io[f"token_rows_{q}"] = torch.arange(biggest, device=dev).repeat_interleave(q)
         self.init_decode_inputs(biggest, max_blocks, max_q)
@@ -157,8 +161,8 @@ class ModelRunner:
         self.init_graph_io(max_batch_size, max_model_len, query_lens)
         dev = self.device
         pool = None
-        for q in self.graph_query_lens:
-            for b in sorted(self.graph_batch_sizes, reverse=True):  # biggest first: smaller graphs reuse its pool
+        for q, batch_sizes in self.graph_sizes.items():
+            for b in sorted(batch_sizes, reverse=True):  # biggest first: smaller graphs reuse its pool
                 self.graph_forward_static(b, q)  # warm-up: compiles kernels outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
@@ -188,7 +192,7 @@ class ModelRunner:
 
     def stage_graph_inputs(self, step: StepInput) -> tuple[int, int] | None:
         """Put a step that fits a graph into the static inputs; its (bucket, q), or None."""
-        shape = graph_shape(step, self.graph_batch_sizes, self.graph_query_lens)
+        shape = graph_shape(step, self.graph_sizes)
         if shape is None:
             return None
         bucket, q = shape

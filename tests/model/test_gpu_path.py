@@ -104,21 +104,22 @@ def test_the_engine_thread_binds_its_device(tiny_llama, monkeypatch):
 
 
 def test_graph_shape_takes_uniform_steps_only():
-    sizes, q_lens = (1, 2, 4, 8), (1, 4)
+    sizes = {1: (1, 2, 4, 8), 4: (1, 2, 4, 8)}
 
     def step(tokens_per_request, num_logits=None, offsets=None):
         n = len(tokens_per_request)
         return StepInput([[0] * q for q in tokens_per_request], [5] * n, [[1]] * n,
                          num_logits or list(tokens_per_request), position_offsets=offsets)
 
-    assert graph_shape(step([1, 1, 1]), sizes, q_lens) == (4, 1)  # decode, padded to the bucket
-    assert graph_shape(step([1] * 3, offsets=torch.zeros(3)), sizes, q_lens) == (4, 1)  # overlapped
-    assert graph_shape(step([4] * 5), sizes, q_lens) == (8, 4)  # verification of 3 drafts each
-    assert graph_shape(step([1, 4]), sizes, q_lens) is None  # mixed
-    assert graph_shape(step([3, 3]), sizes, q_lens) is None  # a k that was not captured
-    assert graph_shape(step([4, 4], num_logits=[1, 1]), sizes, q_lens) == (2, 4)  # the last token's logits
-    assert graph_shape(step([4, 4], num_logits=[2, 2]), sizes, q_lens) is None
-    assert graph_shape(step([1] * 9), sizes, q_lens) is None  # past the biggest bucket
+    assert graph_shape(step([1, 1, 1]), sizes) == (4, 1)  # decode, padded to the bucket
+    assert graph_shape(step([1] * 3, offsets=torch.zeros(3)), sizes) == (4, 1)  # overlapped
+    assert graph_shape(step([4] * 5), sizes) == (8, 4)  # verification of 3 drafts each
+    assert graph_shape(step([1, 4]), sizes) is None  # mixed
+    assert graph_shape(step([3, 3]), sizes) is None  # a k that was not captured
+    assert graph_shape(step([4, 4], num_logits=[1, 1]), sizes) == (2, 4)  # the last token's logits
+    assert graph_shape(step([4, 4], num_logits=[2, 2]), sizes) is None
+    assert graph_shape(step([1] * 9), sizes) is None  # past the biggest bucket
+    assert graph_shape(step([4] * 3), {1: (1, 2, 4, 8), 4: (1, 2)}) is None  # no verification graph that big
 
 
 @pytest.mark.parametrize("q,num_logits,offsets", [(1, 1, None), (1, 1, [0, -2, 0]), (4, 4, None), (4, 4, [-3, 0, -1]),
@@ -156,7 +157,7 @@ def _graph_shapes(runner, query_lens) -> list:
     shapes, real_run = [], runner.run
 
     def run(step, *args):
-        shapes.append(graph_shape(step, GRAPH_BATCH_SIZES, query_lens))
+        shapes.append(graph_shape(step, {q: GRAPH_BATCH_SIZES for q in query_lens}))
         return real_run(step, *args)
 
     runner.run = run
@@ -181,3 +182,14 @@ def test_overlapped_decode_and_verification_steps_fit_a_graph(tiny_llama):
     # the draft: after its prefill, every forward fits, among them those that read [the token
     # before the last, the last] after a verification
     assert draft_shapes[0] is None and None not in draft_shapes[1:] and (2, 2) in draft_shapes
+
+
+def test_multi_token_graphs_stop_at_a_batch_of_64(tiny_llama):
+    """Each graph keeps its float32 logits ([batch x q, vocab]), so verification graphs stop at a
+    batch of 64 (where speculation still pays); decode graphs go up to max_num_seqs."""
+    model, _ = load_model(tiny_llama, "float32", torch.device("cpu"), 256)
+    runner = ModelRunner(model, TorchAttention(), num_blocks=32, block_size=8, device=torch.device("cpu"),
+                         dtype=torch.float32)
+    runner.init_graph_io(max_batch_size=256, max_model_len=256, query_lens=(1, 5))
+    assert max(runner.graph_sizes[1]) == 256 and max(runner.graph_sizes[5]) == 64
+    assert runner.graph_sizes[5] == tuple(b for b in runner.graph_sizes[1] if b <= 64)
