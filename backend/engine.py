@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +55,6 @@ from backend.worker_group import PipelineRunner, TensorParallelRunner, WorkerGro
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
 from backend.uploads import on_device
-
-log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class EngineStats:
@@ -188,8 +185,8 @@ class LLMEngine:
             proposer = DraftProposer(draft_runner, self.sampler, self.vocab_size)
         elif config.speculative_method == "ngram":
             proposer = NgramProposer()
-        # overlapped steps: on CUDA by default, without speculation (speculation with them runs its
-        # verification steps eagerly for now); asked for, with either. Adaptive k times each step
+        # overlapped steps: on CUDA by default, without speculation (speculation with them is not yet
+        # measured on a GPU); asked for, with either. Adaptive k times each step
         # on the device's clock and reads it after the read-back, so it works with overlapped
         # steps; under pipeline parallelism (a step's forward spans the stages) k is fixed
         self.overlap = config.async_scheduling if config.async_scheduling is not None else (
@@ -209,7 +206,7 @@ class LLMEngine:
                 proposer.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, 2))
         self.requests: dict[str, Request] = {}  # request id -> everything about it, until its last output
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.block_manager, self.requests,
-                                       self.max_model_len)
+                                                self.max_model_len)
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.peak_blocks_used = 0

@@ -34,7 +34,7 @@ MAX_MULTI_TOKEN_GRAPH_BATCH = 64
 
 def graph_shape(step: StepInput, sizes: dict[int, tuple[int, ...]]) -> tuple[int, int] | None:
     """The (batch bucket, tokens per request) of the graph that can replay `step`, or None. It
-    fits when every request computes the same number q of tokens, q one of `query_lens` (1: a
+    fits when every request computes the same number q of tokens, a q graphs were captured for (1: a
     decode step; k + 1: a verification of k drafts each; 2: a draft's first forward after one),
     every request wants the logits of all q or of its last token only, and the batch fits one of
     the buckets captured for q (`sizes`: q -> batch buckets). Offsets known only on the device
@@ -133,7 +133,7 @@ class ModelRunner:
     def init_graph_io(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
         """The static inputs every graph reads (and their host staging), for batches up to
         `max_batch_size` in GRAPH_BATCH_SIZES buckets and `query_lens` tokens per request. Made
-        on any device: on a CPU `graph_forward` runs what a graph would replay."""
+        on any device: on a CPU `graph_forward_static` runs what a graph would replay."""
         batch_sizes = tuple(b for b in GRAPH_BATCH_SIZES if b < max_batch_size) + (max_batch_size,)
         self.graph_sizes = {q: batch_sizes if q == 1 else tuple(b for b in batch_sizes if b <= MAX_MULTI_TOKEN_GRAPH_BATCH)
                             for q in sorted(set(query_lens))}

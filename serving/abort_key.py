@@ -28,6 +28,13 @@ def checked_abort_key(key: str) -> str:
     return key
 
 
+def require_stop_key(key: str) -> str:
+    """A stop request's (checked) key: it must have one."""
+    if not key:
+        raise ValidationError(FIELD, "required with abort_request_id: the abort_key sent with the request to stop")
+    return key
+
+
 def key_digest(key: str) -> bytes:
     """What is kept of a request's key (b"" for none: such a request matches no stop)."""
     return hashlib.sha256(key.encode()).digest() if key else b""

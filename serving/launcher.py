@@ -214,8 +214,14 @@ def _prepare_backend_directory(dist: Path, stub: Path) -> Path:
     return backends
 
 
+def inherited_environment() -> dict[str, str]:
+    """This process's environment, less what a child must never inherit: test-only faults and the
+    admin key (the launcher alone uses it)."""
+    return {k: v for k, v in os.environ.items() if k not in TEST_ONLY_VARIABLES and k != ADMIN_KEY_VARIABLE}
+
+
 def server_environment(server: Tritonserver) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TEST_ONLY_VARIABLES and k != ADMIN_KEY_VARIABLE}
+    env = inherited_environment()
     lib_path = server.library_path + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
     if lib_path:
         env["LD_LIBRARY_PATH"] = ":".join(lib_path)
@@ -409,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.openai_port:  # beside tritonserver, stopped with it; SPECSERVE_API_KEY reaches it from here
         openai = subprocess.Popen([sys.executable, "-m", "serving.openai_server", "--triton", handle.grpc_url,
                                    "--host", args.openai_address or args.host, "--port", str(args.openai_port)],
-                                  cwd=REPO_ROOT, env={k: v for k, v in os.environ.items() if k != ADMIN_KEY_VARIABLE})
+                                  cwd=REPO_ROOT, env=inherited_environment())
     gave_up = threading.Event()
     supervisor = None
     if args.reload_engine:

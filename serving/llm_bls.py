@@ -34,7 +34,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.errors import INTERNAL_ERROR, SHUTTING_DOWN, UNAVAILABLE_ERRORS, ValidationError
 from serving.abort_channel import ENGINE_MODEL, abort_everywhere
-from serving.preprocessor import Preprocessor
+from serving.preprocessor import Preprocessor, text_tensor
 from serving.request_inputs import triton_parameters
 
 ENGINE_OUTPUTS = [
@@ -149,7 +149,7 @@ class TritonPythonModel:
             # errors in band: the python backend never hands this model an error response that
             # follows another response from llm_engine (the stream would never end)
             inputs=[pb_utils.Tensor(n, a) for n, a in request.engine_inputs(in_band_errors=True).items()]
-            + [pb_utils.Tensor("abort_key", np.array([relay.abort_key.encode()], dtype=np.object_))],
+            + [pb_utils.Tensor("abort_key", text_tensor(relay.abort_key))],
             requested_output_names=ENGINE_OUTPUTS,
             request_id=relay.engine_request_id,
         )

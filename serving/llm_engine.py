@@ -60,7 +60,7 @@ from backend.fault_injection import fault_hook_from_env
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams
 from serving.abort_channel import AbortListener, abort_everywhere, instances_directory
-from serving.abort_key import checked_abort_key, key_digest, proves
+from serving.abort_key import checked_abort_key, key_digest, proves, require_stop_key
 from serving.admission_gate import AdmissionGate
 from serving.device_map import check_nodes, instance_device, instance_placement
 from serving.early_aborts import EarlyAborts
@@ -188,8 +188,7 @@ class TritonPythonModel:
         abort_request_id = _text(request, "abort_request_id")
         abort_key = checked_abort_key(_text(request, "abort_key"))
         if abort_request_id:
-            if not abort_key:
-                raise ValidationError("abort_key", "required with abort_request_id: the abort_key sent with the request to stop")
+            require_stop_key(abort_key)
             delivered = (_json_object(request, "request_options") or {}).get("abort_delivered") is True
             if not delivered and not abort_everywhere(self.model_name, abort_request_id, abort_key):
                 self._abort_by_triton_id(abort_request_id, abort_key)  # no listener answered: this instance at least

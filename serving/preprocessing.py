@@ -21,17 +21,17 @@ import triton_python_backend_utils as pb_utils
 
 from backend.errors import INTERNAL_ERROR, ValidationError
 from serving.abort_channel import ENGINE_MODEL, abort_everywhere
-from serving.abort_key import checked_abort_key
+from serving.abort_key import checked_abort_key, require_stop_key
 from serving import trtllm_inputs
-from serving.preprocessor import Preprocessor
+from serving.preprocessor import Preprocessor, text_tensor
 from serving.request_inputs import scalar_text, triton_parameters
 
 # llm_engine's inputs for a stop request that this model has delivered already
 DELIVERED_ABORT = {
     "input_ids": np.zeros(0, dtype=np.int32),
-    "sampling_params": np.array([b""], dtype=np.object_),
-    "request_options": np.array([json.dumps({"abort_delivered": True}).encode()], dtype=np.object_),
-    "prompt_text": np.array([b""], dtype=np.object_),
+    "sampling_params": text_tensor(""),
+    "request_options": text_tensor(json.dumps({"abort_delivered": True})),
+    "prompt_text": text_tensor(""),
 }
 
 
@@ -79,19 +79,16 @@ class TritonPythonModel:
         if self.tensorrt_llm_inputs:
             inputs, options = trtllm_inputs.llm_inputs(inputs)
         if abort_request_id:
-            if not abort_key:
-                raise ValidationError("abort_key", "required with abort_request_id: the abort_key sent with the request to stop")
+            require_stop_key(abort_key)
             if not abort_everywhere(ENGINE_MODEL, abort_request_id, abort_key):
                 pb_utils.Logger.log_error(f"preprocessing: no {ENGINE_MODEL} instance took the abort")
-            engine_inputs = DELIVERED_ABORT | {"abort_request_id": _text(abort_request_id), "abort_key": _text(abort_key)}
+            engine_inputs = DELIVERED_ABORT | {"abort_request_id": text_tensor(abort_request_id),
+                                               "abort_key": text_tensor(abort_key)}
         else:
             preprocessed = self.preprocessor(inputs, triton_parameters(request))
             for name, value in options.items():
                 setattr(preprocessed.options, name, value)
-            engine_inputs = preprocessed.engine_inputs() | {"abort_request_id": _text(""), "abort_key": _text(abort_key)}
+            engine_inputs = preprocessed.engine_inputs() | {"abort_request_id": text_tensor(""),
+                                                            "abort_key": text_tensor(abort_key)}
         outputs = [pb_utils.Tensor(n, a) for n, a in engine_inputs.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
-
-
-def _text(value: str) -> np.ndarray:
-    return np.array([value.encode()], dtype=np.object_)

@@ -34,9 +34,9 @@ class PreprocessedRequest:
         options = json.loads(self.options.to_json()) | ({"in_band_errors": True} if in_band_errors else {})
         return {
             "input_ids": np.asarray(self.input_ids, dtype=np.int32),
-            "sampling_params": _bytes(json.dumps(self.params.to_dict())),
-            "request_options": _bytes(json.dumps(options)),
-            "prompt_text": _bytes(self.prompt),
+            "sampling_params": text_tensor(json.dumps(self.params.to_dict())),
+            "request_options": text_tensor(json.dumps(options)),
+            "prompt_text": text_tensor(self.prompt),
         }
 
 
@@ -108,7 +108,8 @@ def _local_dir(path: Path | str) -> Path:
     return path
 
 
-def _bytes(text: str) -> np.ndarray:
+def text_tensor(text: str) -> np.ndarray:
+    """A one-string BYTES tensor (UTF-8), as the models hand inputs on."""
     return np.array([text.encode("utf-8")], dtype=np.object_)
 
 
