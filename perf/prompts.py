@@ -13,7 +13,7 @@ TINY_PAIR = REPO_ROOT / "tests" / "fixtures" / "tiny_pair"  # the test pair (the
 
 def heldout_texts(seed: int = 1234) -> list[str]:
     sys.path.insert(0, str(REPO_ROOT))
-    from scripts.train_default_models import split_corpus
+    from scripts.python_corpus import split_corpus
 
     splits, _ = split_corpus(seed)
     return splits["heldout"]

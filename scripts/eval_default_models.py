@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from python_corpus import split_projects
-from train_default_models import DEFAULT_OUT, cache_dir, fixed_windows, load_split, split_corpus, tokenize
+from python_corpus import split_corpus, split_projects
+from train_default_models import DEFAULT_OUT, cache_dir, fixed_windows, load_split, tokenize
 
 TEMPERATURES = (1.0, 0.7)
 DRAFT_LENGTHS = range(1, 7)

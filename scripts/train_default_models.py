@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -50,7 +48,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # imported as scripts.train_default_models too
-from python_corpus import split_projects  # noqa: E402
+from python_corpus import split_corpus  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache" / "default_models"
@@ -60,9 +58,6 @@ ALL_STAGES = ("tokenizer", "data", "target", "draft", "eval")  # package only ru
 
 VOCAB_SIZE = 8192
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-HELDOUT_FRACTION = 0.03
-VALID_FRACTION = 0.01
-SPLITS = ("train", "valid", "heldout")
 # Plain-text role markers: no extra special tokens, so any client can type them.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -79,44 +74,6 @@ DRAFT_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
 
 
 # ----------------------------------------------------------------------------- corpus
-
-def stdlib_files() -> list[Path]:
-    """Every ``*.py`` under the standard library, site-packages excluded, sorted by relative path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if "site-packages" not in p.relative_to(root).parts and p.is_file()]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def split_corpus(seed: int, corpus: str = "stdlib") -> tuple[dict[str, list[str]], dict]:
-    """Read the standard library and deal its files, seeded, into train, valid (~1%, picks the
-    best checkpoint while training) and heldout (~3%, evaluation only). Returns (splits, meta).
-    `corpus` "projects": the broader corpus, the same stdlib files held out (python_corpus.py)."""
-    if corpus == "projects":
-        stdlib_meta = split_corpus(seed)[1]
-        splits, _, meta = split_projects(seed, set(stdlib_meta["heldout_files"]))
-        splits["heldout"] = splits.pop("heldout_stdlib")
-        return splits, meta | dict(num_files=sum(len(v) for v in splits.values()), python=stdlib_meta["python"])
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts, names = [], []
-    for path in stdlib_files():
-        try:
-            texts.append(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError:  # a few test fixtures are deliberately not UTF-8
-            continue
-        names.append(path.relative_to(root).as_posix())
-    order = random.Random(seed).sample(range(len(texts)), len(texts))
-    num_heldout = max(1, round(HELDOUT_FRACTION * len(texts)))
-    num_valid = max(1, round(VALID_FRACTION * len(texts)))
-    split_of = {i: "train" for i in order}
-    split_of.update({i: "heldout" for i in order[:num_heldout]})
-    split_of.update({i: "valid" for i in order[num_heldout:num_heldout + num_valid]})
-    splits = {name: [t for i, t in enumerate(texts) if split_of[i] == name] for name in SPLITS}
-    meta = dict(stdlib=str(root), python=sys.version.split()[0], seed=seed, num_files=len(texts),
-                **{f"{name}_files": sorted(names[i] for i in range(len(texts)) if split_of[i] == name)
-                   for name in ("valid", "heldout")})
-    return splits, meta
-
 
 # ----------------------------------------------------------------------------- tokenizer
 

@@ -38,6 +38,14 @@ class Collector:
                 if len(self.final) == self.expected:
                     self.done.set()
 
+    def all_generating(self, n: int, timeout: float = 30.0) -> bool:
+        """Wait until n requests have tokens out; True if then none has finished."""
+        deadline = time.monotonic() + timeout
+        while len(self.tokens) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self.lock:
+            return len(self.tokens) == n and not self.final
+
 
 def requests() -> list[tuple[list[int], SamplingParams]]:
     return [([(5 * i + j) % 200 + 3 for j in range(4 + 3 * i)],
@@ -56,14 +64,12 @@ def run(loop, work) -> Collector:
 
 
 def generating(config: EngineConfig, n: int) -> tuple[EngineCoreClient, Collector]:
-    """A core generating n long requests (the first tokens are out)."""
+    """A core given n long requests."""
     client, collector = EngineCoreClient(config), Collector()
     collector.expected = n
     client.start()
     for i in range(n):
         client.submit([3, 4, 5, 6], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), collector, f"r{i}")
-    while not collector.tokens:
-        time.sleep(0.01)
     return client, collector
 
 
@@ -91,7 +97,7 @@ def test_the_core_process_gives_what_the_engine_gives_in_process(config):
 
 def test_a_dead_core_ends_every_request_and_refuses_new_ones(config):
     client, collector = generating(config, 3)
-    assert not collector.final  # all three generating when the core dies
+    assert collector.all_generating(3)  # each has tokens out and none has finished when the core dies
     os.kill(client.process.pid, signal.SIGKILL)
     assert collector.done.wait(10)
     assert {o.error for o in collector.final.values()} == {ENGINE_DEAD}
@@ -104,6 +110,7 @@ def test_a_dead_core_ends_every_request_and_refuses_new_ones(config):
 
 def test_shutdown_ends_requests_in_flight_and_leaves_no_process(config):
     client, collector = generating(config, 2)
+    assert collector.all_generating(2)  # shut down mid-generation
     client.shutdown()
     assert collector.done.is_set()
     assert {o.finish_reason for o in collector.final.values()} == {"abort"}
