@@ -75,7 +75,7 @@ def generate_answers(prompts: list[list[int]], max_tokens: int, temperature: flo
 
 
 def code_windows(tok, num_windows: int, seed: int) -> list[list[int]]:
-    from scripts.train_default_models import stdlib_files
+    from scripts.python_corpus import stdlib_files
 
     rng = random.Random(seed)
     files = stdlib_files()
