@@ -8,9 +8,7 @@ and, without logits, the chunks other requests are behind by (a prompt alongside
 prefill chunk); then k - 1 single-token forwards follow, each fed the token the one before drew,
 on the device. Each draws through the engine's sampler (penalties see the request's known output,
 not the drafts of the step). With overlapped steps, a request whose last step is still on the
-device reads that step's tokens from there: after a verification, the token before the last and
-the last, at positions the device corrects (re-reading a position already computed writes the
-same K/V); after a plain step, what it has not read and the sampled token.
+device reads that step's tokens from there (step_inputs.draft_first_input).
 After verification the draft's KV is valid up to the target's num_computed_tokens at most.
 """
 from __future__ import annotations
@@ -19,10 +17,11 @@ import torch
 
 from backend.host_copy import HostCopy
 from backend.model_runner import ModelRunner, StepInput
-from backend.proposer import PendingTokens, Proposal
+from backend.proposer import Proposal
 from backend.request import Request
 from backend.sampler import Sampler
 from backend.sampling_metadata import build_sampling_metadata
+from backend.step_inputs import PendingTokens, draft_first_input
 from backend.step_timer import StepTimer
 
 
@@ -49,34 +48,21 @@ class DraftProposer:
         for j in range(max(ks, default=1)):
             started = timer.mark() if timer is not None else None
             active = [i for i, k in enumerate(ks) if k > j]
-            step = StepInput([], [], [], [])
-            if j == 0 and pending is not None:
-                step.device_tokens = torch.cat([pending.previous, pending.last])
-            elif j > 0:
-                step.device_tokens = previous
-            for i in active:
-                r = requests[i]
-                row = row_of.get(r.request_id)  # its last step is still on the device
-                if j == 0 and row is not None and pending.num_drafts[row]:
-                    # the token before the last and the last, where the accepted drafts put them
-                    step.add([0, 0], r.num_computed_tokens - 1, r.block_table, 1)
-                    step.take_from_device([row, len(row_of) + row])
-                elif j == 0:  # what it has not read; the last token from the device when it is there
-                    start = min(r.spec.num_computed_tokens, r.num_tokens - 1)
-                    step.add(r.tokens_slice(start, r.num_tokens) + ([0] if row is not None else []), start,
-                             r.block_table, 1)
-                    if row is not None:
-                        step.take_from_device([len(row_of) + row])
-                else:
-                    step.add([0], r.num_computed_tokens + j, r.block_table, 1)
+            if j == 0:
+                step = draft_first_input([requests[i] for i in active], pending)
+            else:  # one token per request, the one the forward before drew, on the device
+                step = StepInput([], [], [], [], device_tokens=previous)
+                for i in active:
+                    step.add([0], requests[i].num_computed_tokens + j, requests[i].block_table, 1)
                     step.take_from_device([previous_active.index(i)])
-                r.spec.num_computed_tokens = step.start_positions[-1] + len(step.token_ids[-1])
+            for row, i in enumerate(active):
+                requests[i].spec.num_computed_tokens = step.start_positions[row] + len(step.token_ids[row])
             for r, end in catch_up if j == 0 else ():
                 step.add(r.tokens_slice(r.spec.num_computed_tokens, end), r.spec.num_computed_tokens, r.block_table, 0)
                 r.spec.num_computed_tokens = end
-            if row_of and any(pending.num_drafts):  # catch-up rows read known tokens at known positions
-                offsets = pending.offsets_for([requests[i].request_id for i in active])
-                step.position_offsets = torch.cat([offsets, offsets.new_zeros(len(step.token_ids) - len(active))])
+            if pending is not None:  # catch-up rows read known tokens at known positions
+                step.position_offsets = pending.corrections([requests[i].request_id for i in active],
+                                                            len(step.token_ids))
             logits = self.runner.run(step)
             if active:
                 drafting = [requests[i] for i in active]

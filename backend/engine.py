@@ -1,20 +1,22 @@
 """The engine: requests in, token/text deltas out, one iteration per `step()`.
 
-One pipeline for every step: schedule (with room for draft tokens) -> propose drafts -> one
-forward over the flat batch -> the sampler, on the device (sampling and verification alike) ->
-one asynchronous copy of the tokens to the host -> append, detokenize, output.
+Every step goes one way, over a queue of steps in flight (`in_flight`, oldest first):
 
-Overlapped steps (CUDA, no speculation): the GPU never waits for the host. `step()` schedules and
-launches step N+1 and only then reads back step N's tokens, whose GPU work finished while the host
-was busy with N+1; N+1 is sampled after that read-back, so its penalties and min_tokens see N's
-tokens. Step N+1 is scheduled as if every request of step N goes on: its input token is N's sampled
-token, copied on the device; a request that N finished (EOS, stop string) wastes one row of N+1,
-which is dropped; one that N takes to max_tokens is not scheduled again. Outputs come one step later.
+    batch = schedule()                        # one token budget; room for drafts; drafts proposed
+    launch(batch)                             # its forward, pushed onto the queue
+    if the queue holds `depth` steps, or nothing was launched:
+        read_back(sample(oldest))             # sample and verify on the device, one read-back,
+                                              # then append, stop, detokenize (output_processor.py)
 
-Pipeline parallelism: `step()` launches a batch into the pipeline and returns at once while fewer
-than `max_batches_in_flight` are in it; otherwise it waits for the oldest batch's logits and
-samples them. The batches hold different requests (the scheduler skips the ones in flight), so
-every stage has work while the others do.
+`depth` is the one number that differs: 1 is plain decoding (each step is read back at once); 2
+overlapped steps (CUDA, by default without speculation): step N+1 is scheduled and launched
+before N's tokens are read back, reading N's sampled tokens on the device (step_inputs.py), and
+is sampled once N is back, so its penalties and min_tokens see N's tokens; a request that N
+finished (EOS, stop string) wastes one row of N+1, which is dropped; one that N takes to
+max_tokens is not scheduled again; outputs come one step later. Pipeline parallelism keeps
+`max_batches_in_flight` batches in the pipeline: they hold different requests (a request whose
+step is launched and not sampled yet is not scheduled again), so every stage has work while the
+others do, and a batch is sampled when its logits come back from the last stage.
 
 Not thread-safe: backend.engine_loop.EngineLoop drives it from one thread.
 """
@@ -39,14 +41,14 @@ from backend.host_waits import HostWaits
 from backend.host_memory import retain_freed_memory
 from backend.linear_tuner import tune_small_batch_linears
 from backend.model_loader import TORCH_DTYPES, load_draft_model, load_hf_config, load_model
-from backend.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from backend.model_runner import ModelRunner, kv_cache_bytes_per_block
 from backend.output_processor import OutputProcessor
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus
 from backend.request_limits import RequestLimits
 from backend.draft_proposer import DraftProposer
 from backend.ngram_proposer import NgramProposer
-from backend.proposer import PendingTokens, Proposer
+from backend.proposer import Proposer
 from backend.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
 from backend.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.speculator import SpecStep, Speculator
@@ -54,7 +56,8 @@ from backend.pipeline_parallel import pipeline_stage
 from backend.worker_group import PipelineRunner, TensorParallelRunner, WorkerGroup
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler
-from backend.uploads import on_device
+from backend.step_inputs import PendingTokens, target_input
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -77,25 +80,16 @@ class EngineStats:
 
 @dataclass(slots=True)
 class InFlightStep:
-    """A sampled step on its way to the host: its requests and their rows (`meta`), its tokens
-    as the next overlapped step reads them (`pending`, on the device) and their host copy."""
-    meta: SamplingMetadata
-    pending: PendingTokens | None
-    host: HostCopy  # the tokens [B, max_k + 1], then the logprobs' tensors when asked for
-    spec: SpecStep | None = None  # speculation's measurements of the step, fed once it is back
-
-
-def pending_tokens(meta: SamplingMetadata, token_ids: torch.Tensor, last_known: list[int]) -> PendingTokens:
-    """What the next step needs of this one's tokens before they reach the host.
-    token_ids: [B, max_k + 1], PLACEHOLDER_TOKEN past each request's last; last_known: per
-    request, its last token on the host (the input of its first row)."""
-    num_accepted = (token_ids != PLACEHOLDER_TOKEN).sum(1) - 1  # [B]
-    last = token_ids.gather(1, num_accepted[:, None])[:, 0]
-    before = token_ids.gather(1, (num_accepted - 1).clamp_min(0)[:, None])[:, 0]
-    known = on_device(last_known, token_ids.device, torch.int64)
-    previous = torch.where(num_accepted > 0, before, known)
-    row_of = {r.request_id: i for i, r in enumerate(meta.requests)}
-    return PendingTokens(row_of, meta.num_drafts, previous, last, num_accepted - meta.num_drafts_t)
+    """A step between its launch and its read-back: its forward launched, then sampled on the
+    device (`meta` set), its tokens on their way to the host."""
+    batch: ScheduledBatch
+    draft_probs: dict[str, torch.Tensor | None]  # request id -> the distributions its drafts came from
+    lookahead: list[int]  # per request of the batch: the draft tokens it verifies
+    spec: SpecStep | None  # speculation's measurements of the step, fed once it is back
+    sampled: bool = False
+    meta: SamplingMetadata | None = None  # its sampled requests and their rows (None: prompt chunks only)
+    pending: PendingTokens | None = None  # its tokens as the next overlapped step reads them
+    host: HostCopy | None = None  # the tokens [B, max_k + 1], then the logprobs' tensors when asked for
 
 
 class LLMEngine:
@@ -173,8 +167,6 @@ class LLMEngine:
             self.workers.setup(self.num_blocks, self.vocab_size)
             pipelined = config.pipeline_parallel_size > 1
             self.runner = (PipelineRunner if pipelined else TensorParallelRunner)(self.runner, self.workers)
-        # pipeline parallelism: the batches launched and not sampled yet, with their draft distributions
-        self.batches_in_flight: collections.deque[tuple[ScheduledBatch, dict]] = collections.deque()
         self.sampler = Sampler(config.seed)
         proposer: Proposer | None = None
         if self.draft_model is not None:
@@ -194,8 +186,11 @@ class LLMEngine:
         adaptive = config.adaptive_speculation and config.pipeline_parallel_size == 1
         self.speculator = Speculator(proposer, config.num_speculative_tokens, adaptive, self.device,
                                      draft_budget=config.max_num_batched_tokens)
-        self.in_flight: InFlightStep | None = None  # overlapped steps: the one launched last
-        self.launched: set[str] = set()  # request ids of the step launched last
+        pipelined = config.pipeline_parallel_size > 1
+        # steps in flight before the oldest is read back: 1 plain, 2 overlapped, the pipeline's batches
+        self.depth = config.max_batches_in_flight if pipelined else 1 + self.overlap
+        self.max_requests_per_step = -(-config.max_num_seqs // self.depth) if pipelined else None
+        self.in_flight: collections.deque[InFlightStep] = collections.deque()  # launched, not read back; oldest first
         if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs \
                 and self.workers is None:  # parallel steps run eagerly for now
             # the target: decode steps, and verifications of num_speculative_tokens drafts each;
@@ -272,7 +267,7 @@ class LLMEngine:
         """End every request with an error (after an exception in a step that no one request
         can be blamed for)."""
         outputs = []
-        self.in_flight = None
+        self.in_flight.clear()
         for request in list(self.requests.values()):
             request.num_pending_tokens = 0
             request.error = message
@@ -281,112 +276,53 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.batches_in_flight)
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     # -- one iteration ----------------------------------------------------------------------------
     @torch.inference_mode()  # sampling changes the forward's logits in place
     def step(self) -> list[RequestOutput]:
-        if isinstance(self.runner, PipelineRunner):
-            return self._pipeline_step()
+        launched = self._launch()
+        outputs = []
+        if self.in_flight and (len(self.in_flight) >= self.depth or launched is None):
+            outputs = self._read_back(self._sample(self.in_flight.popleft()))
+        if self.overlap and self.in_flight:  # the step launched now, its predecessor back: sample it
+            self._sample(self.in_flight[0])
+        self.host_waits.end_step()
+        return outputs
+
+    def _launch(self) -> InFlightStep | None:
+        """Schedule (requests whose step is launched and not sampled yet sit out), propose the
+        drafts, launch the forward and push the step onto the queue; None when nothing was
+        scheduled."""
         spec = self.speculator.begin_step()  # None without speculation
-        batch, draft_probs = self._schedule()
-        self.launched = {r.request_id for r in batch.requests}
-        forward_started = spec.timer.mark() if spec is not None else None
-        logits = self.runner.run(self.step_input(batch, self.in_flight)) if batch.requests else None
-        lookahead = [r.spec.num_lookahead_tokens for r in batch.requests]  # _sample clears them
-        if logits is not None and spec is not None:  # adaptive k times the target's forwards
-            self.speculator.observe_forward(spec, batch, lookahead, forward_started)
-        outputs = self._read_back()  # the step launched before this one (overlapped steps)
-        if logits is not None:
-            self.in_flight = self._sample(batch, logits, draft_probs)
-            if spec is not None and self.in_flight is not None:
-                self.speculator.end_step(spec, batch, lookahead)
-                self.in_flight.spec = spec
-        if not self.overlap:
-            outputs += self._read_back()
-        self.host_waits.end_step()
-        return outputs
-
-    def _pipeline_step(self) -> list[RequestOutput]:
-        """Launch a batch of requests not in flight (at most max_num_seqs / max_batches_in_flight
-        of them, with their drafts); once `max_batches_in_flight` batches are in flight (or nothing
-        new could start), sample (and verify) the oldest batch's logits."""
-        busy = {r.request_id for batch, _ in self.batches_in_flight for r in batch.requests}
-        in_flight = self.config.max_batches_in_flight
-        batch, draft_probs = self._schedule(busy, max_requests=-(-self.config.max_num_seqs // in_flight))
-        if batch.requests:
-            self.runner.launch(self.step_input(batch))
-            self.batches_in_flight.append((batch, draft_probs))
-        full = len(self.batches_in_flight) >= in_flight
-        if not self.batches_in_flight or (batch.requests and not full):
-            return []
-        logits = self.runner.collect()
-        batch, draft_probs = self.batches_in_flight.popleft()
-        self.in_flight = self._sample(batch, logits, draft_probs)
-        outputs = self._read_back()
-        self.host_waits.end_step()
-        return outputs
-
-    def _schedule(self, busy: set[str] = frozenset(), max_requests: int | None = None
-                  ) -> tuple[ScheduledBatch, dict[str, torch.Tensor]]:
-        """Choose k per request and reserve room for its drafts, schedule, then propose the
-        drafts the budget granted. Returns the batch and the draft distributions by request id.
-        `busy`: requests in a pipeline batch still in flight, left alone."""
+        busy = {r.request_id for s in self.in_flight if not s.sampled for r in s.batch.requests}
         idle = [r for r in self.scheduler.running if r.request_id not in busy]
         self.speculator.reserve(idle, self.max_model_len)
-        batch = self.scheduler.schedule(busy, max_requests)
+        batch = self.scheduler.schedule(busy, self.max_requests_per_step)
         for request in batch.preempted:  # its draft KV went with its blocks
             request.spec.drop_drafts()
         if not batch.requests:
-            return batch, {}
+            return None
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - self.block_manager.num_free_blocks)
-        pending = self.in_flight.pending if self.in_flight is not None else None
-        return batch, self.speculator.propose(batch, idle, pending)
-
-    @staticmethod
-    def step_input(batch: ScheduledBatch, in_flight: InFlightStep | None = None) -> StepInput:
-        """The target's step. A request whose last step is still on the device (overlapped steps)
-        reads that step's last token from there, at positions the device corrects when drafts were
-        rejected; draft tokens the host does not hold yet come from the device too."""
-        step = StepInput([], [], [], [])
-        pending = in_flight.pending if in_flight is not None else None
-        row_of = pending.row_of if pending is not None else {}
-        sources = [pending.last] if pending is not None else []  # cat() of these feeds from_device
-        num_sources = len(row_of)
-        for request, n in zip(batch.requests, batch.num_scheduled_tokens):
-            start = request.num_computed_tokens
-            spec = request.spec
-            k = spec.num_lookahead_tokens
-            on_device = request.num_pending_tokens > 0  # its last input was sampled last step
-            known = request.num_tokens + request.num_pending_tokens  # tokens once the device's land
-            num_logits = start + n - known + 1 if start + n >= known else 0
-            if not on_device and spec.draft_token_ids is not None:
-                step.add(request.tokens_slice(start, start + n), start, request.block_table, num_logits)
-                continue
-            tokens = [0] if on_device else request.tokens_slice(start, start + n - k)
-            at, device = ([0], [row_of[request.request_id]]) if on_device else ([], [])  # token index -> source
-            if spec.draft_token_ids is not None:
-                tokens += spec.draft_token_ids[:k]
-            else:  # drafted from tokens still on the device: the drafts are there too
-                at += range(len(tokens), len(tokens) + k)
-                tokens += [0] * k
-                sources.append(spec.proposal.device_token_ids[:k])
-                device += range(num_sources, num_sources + k)
-                num_sources += k
-            step.add(tokens, start, request.block_table, num_logits)
-            step.take_from_device(device, at)
-        if step.from_device:
-            step.device_tokens = torch.cat(sources)
-        if row_of and any(pending.num_drafts):  # without drafts last step, every offset is 0
-            step.position_offsets = pending.offsets_for([r.request_id for r in batch.requests])
+        pending = self.in_flight[-1].pending if self.in_flight else None  # tokens the last step left on the device
+        draft_probs = self.speculator.propose(batch, idle, pending)
+        lookahead = [r.spec.num_lookahead_tokens for r in batch.requests]  # _sample clears them
+        forward_started = spec.timer.mark() if spec is not None else None
+        self.runner.launch(target_input(batch, pending))
+        if spec is not None:  # adaptive k times the target's forwards
+            self.speculator.observe_forward(spec, batch, lookahead, forward_started)
+        step = InFlightStep(batch, draft_probs, lookahead, spec)
+        self.in_flight.append(step)
         return step
 
-    def _sample(
-        self, batch: ScheduledBatch, logits: torch.Tensor, draft_probs: dict[str, torch.Tensor]
-    ) -> InFlightStep | None:
+    def _sample(self, step: InFlightStep) -> InFlightStep:
         """Advance the computed tokens, then sample (and verify drafts) on the device for every
-        request whose logits this step computed; the tokens start on their way to the host. None
-        when the step only read prompt chunks."""
+        request whose logits the step computed; the tokens start on their way to the host."""
+        if step.sampled:
+            return step
+        step.sampled = True
+        logits = self.runner.collect()  # [num_logits, vocab]: the oldest launched step's
+        batch = step.batch
         sampled: list[Request] = []
         for request, n in zip(batch.requests, batch.num_scheduled_tokens):
             if request.num_computed_tokens + n >= request.num_tokens_with_spec:
@@ -394,14 +330,14 @@ class LLMEngine:
             request.num_computed_tokens += n
             request.spec.num_lookahead_tokens = 0
         if not sampled:
-            return None
+            return step
         for r in sampled:  # drafts proposed from tokens then on the device: their copy has landed
             if r.spec.draft_token_ids is None:
                 r.spec.draft_token_ids = r.spec.proposal.host_token_ids()
         drafts = [r.spec.draft_token_ids for r in sampled]
         meta = build_sampling_metadata(sampled, drafts, self.vocab_size, self.sampler.generator, self.device)
         q = None  # [D, vocab] the draft model's distributions; None: one-hot drafts (n-gram, greedy)
-        per_request = [draft_probs.get(r.request_id) for r in sampled]
+        per_request = [step.draft_probs.get(r.request_id) for r in sampled]
         if any(p is not None for p in per_request):  # a greedy request has none: zero rows, never read
             q = torch.cat([p if p is not None else logits.new_zeros(len(d), logits.shape[1])
                            for p, d in zip(per_request, drafts)])
@@ -411,18 +347,21 @@ class LLMEngine:
             request.num_pending_tokens += len(d) + 1  # as if every draft is accepted
             request.spec.draft_token_ids, request.spec.proposal = [], None
         output = self.sampler(logits, meta, q)
-        # what the next step reads before the tokens reach the host (overlapped steps only)
-        pending = pending_tokens(meta, output.token_ids, last_known) if self.overlap else None
+        if self.overlap:  # what the next step reads before the tokens reach the host
+            step.pending = PendingTokens.of_step(meta, output.token_ids, last_known)
         logprobs = output.logprobs.tensors() if output.logprobs is not None else ()
-        return InFlightStep(meta, pending, HostCopy(output.token_ids, *logprobs, waits=self.host_waits))
+        step.meta, step.host = meta, HostCopy(output.token_ids, *logprobs, waits=self.host_waits)
+        if step.spec is not None:
+            self.speculator.end_step(step.spec, batch, step.lookahead)
+        return step
 
-    def _read_back(self) -> list[RequestOutput]:
-        """Wait for the in-flight step's tokens, then append them to their requests (those still
+    def _read_back(self, step: InFlightStep) -> list[RequestOutput]:
+        """Wait for a sampled step's tokens, then append them to their requests (those still
         alive: a request aborted or finished since wasted its row), roll back rejected draft
         positions, and return the requests' outputs."""
-        step, self.in_flight = self.in_flight, None
-        if step is None:
+        if step.host is None:
             return []
+        still_in_flight = {r.request_id for s in self.in_flight for r in s.batch.requests}
         token_ids, *logprob_tensors = step.host.wait()
         tokens = token_ids.tolist()
         logprobs = Logprobs(step.meta.logprob_rows, *logprob_tensors).entries() if logprob_tensors else {}
@@ -443,8 +382,8 @@ class LLMEngine:
                     self._roll_back(request, k - num_accepted)
             entries = [self.output_processor.logprob_entry(logprobs.get(row), token, request.params.logprobs)
                        for row, token in zip(rows, new)]
-            # trim: no block stays for rejected positions, unless the step launched since holds them
-            trim = k > 0 and not (self.overlap and request.request_id in self.launched)
+            # trim: no block stays for rejected positions, unless a step launched since holds them
+            trim = k > 0 and request.request_id not in still_in_flight
             outputs.append(self.output_processor.advance(request, new, entries, error, trim=trim))
         if step.spec is not None:
             self.speculator.finish_step(step.spec, sum(len(o.token_ids) for o in outputs))

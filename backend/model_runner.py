@@ -13,6 +13,7 @@ steps run eagerly.
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 import torch
@@ -125,6 +126,7 @@ class ModelRunner:
         self.graph_max_seqlen_k = 0
         self.graph_replays = 0
         self.decode_inputs: DecodeInputs | None = None  # host staging of the graphs' inputs
+        self.launched: collections.deque[torch.Tensor] = collections.deque()  # logits not collected yet
 
     def init_decode_inputs(self, max_batch_size: int, max_blocks: int, max_tokens_per_row: int = 1) -> None:
         self.decode_inputs = DecodeInputs(max_batch_size, max_blocks, pin=self.device.type == "cuda", waits=self.waits,
@@ -284,6 +286,15 @@ class ModelRunner:
         dst, src = zip(*step.from_device)
         index = on_device([dst, src], self.device, torch.int64)
         input_ids.index_copy_(0, index[0], step.device_tokens.index_select(0, index[1]))
+
+    def launch(self, step: StepInput) -> None:
+        """Start a step (its kernels queue on the device); `collect` returns its logits. The
+        engine drives every runner so, one stage or a pipeline of them."""
+        self.launched.append(self.run(step))
+
+    def collect(self) -> torch.Tensor:  # [sum(num_logits), vocab] float32
+        """The logits of the oldest step launched and not collected."""
+        return self.launched.popleft()
 
     @torch.inference_mode()
     def run(self, step: StepInput, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None

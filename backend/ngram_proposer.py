@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from backend.proposer import PendingTokens, Proposal
+from backend.proposer import Proposal
+from backend.step_inputs import PendingTokens
 from backend.request import Request
 from backend.step_timer import StepTimer
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -11,8 +11,9 @@ from backend.host_copy import HostCopy
 from backend.model_runner import ModelRunner
 from backend.request import Request
 from backend.step_timer import StepTimer
-from backend.uploads import on_device
 
+if TYPE_CHECKING:
+    from backend.step_inputs import PendingTokens
 
 
 @dataclass(slots=True)
@@ -28,24 +29,6 @@ class Proposal:
             copy, offset = self.host_copy
             self.token_ids = copy.values()[0][offset : offset + len(self.device_token_ids)]
         return self.token_ids
-
-
-@dataclass(slots=True)
-class PendingTokens:
-    """Overlapped steps: the tokens the step before this one produced, still on the device. A
-    request among them reads them before the host knows them, at positions that assume every
-    draft it verified was accepted, corrected on the device by `offsets`."""
-    row_of: dict[str, int]  # request id -> its row below
-    num_drafts: list[int]  # per row: the drafts it verified (0: its one token was sampled)
-    previous: torch.Tensor  # [B] int64: the token before the last (the draft re-reads it)
-    last: torch.Tensor  # [B] int64: the last token (sampled, recovered or bonus)
-    offsets: torch.Tensor  # [B] int64: minus the number of its drafts rejected (0 without drafts)
-
-    def offsets_for(self, request_ids: list[str]) -> torch.Tensor:
-        """[len(request_ids)] offsets, 0 for requests without pending tokens."""
-        table = torch.cat([self.offsets, self.offsets.new_zeros(1)])
-        index = [self.row_of.get(rid, len(self.row_of)) for rid in request_ids]
-        return table[on_device(index, table.device, torch.int64)]
 
 
 class Proposer(Protocol):

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.proposer import PendingTokens, Proposer
+from backend.proposer import Proposer
+from backend.step_inputs import PendingTokens
 from backend.request import Request
 from backend.scheduler import ScheduledBatch
 from backend.spec_policy import SpeculationPolicy

@@ -160,6 +160,9 @@ class TensorParallelRunner:
         except RuntimeError as e:  # a collective with a dead peer
             raise FatalEngineError(f"a tensor-parallel collective failed: {e}") from e
 
+    def launch(self, step: StepInput) -> None:
+        self.runner.launched.append(self.run(step))
+
 
 class PipelineRunner:
     """Rank 0's ModelRunner as pipeline stage 0: `launch` runs a step's first layers and sends it

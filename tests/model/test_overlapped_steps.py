@@ -57,7 +57,7 @@ def run(async_scheduling: bool, abort_after: dict[str, int] | None = None, **kno
                 final = engine.abort(request_id)
                 results[request_id]["reason"] = final.finish_reason
     assert engine.block_manager.num_free_blocks == engine.num_blocks
-    assert not engine.requests and engine.in_flight is None
+    assert not engine.requests and not engine.in_flight
     return results, engine
 
 
@@ -133,3 +133,18 @@ def test_request_done_by_length_is_not_scheduled_again():
         assert len(tokens) == 19 and engine.block_manager.num_free_blocks == engine.num_blocks
         computed[async_scheduling] = sum(batch.total_tokens for batch in batches)
     assert computed[True] == computed[False] == 50 + 13 + 17 + 4
+
+
+@pytest.mark.parametrize("async_scheduling, depth", [(False, 1), (True, 2)])
+def test_one_step_path_keeps_depth_minus_one_steps_in_flight(async_scheduling, depth):
+    """Plain decoding reads each step back within it; overlapped steps leave the one just launched
+    in flight, sampled on the device (the next step reads its tokens there)."""
+    engine = LLMEngine(EngineConfig(model=str(TARGET), num_kv_blocks=16, async_scheduling=async_scheduling))
+    assert engine.depth == depth
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    queued, tokens = [], []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.token_ids]
+        queued.append([s.sampled for s in engine.in_flight])
+    assert len(tokens) == 6
+    assert queued == [[]] * 6 if depth == 1 else queued == [[True]] * 6 + [[]]

@@ -89,16 +89,17 @@ def test_stages_in_a_row_compute_the_whole_model(arch, num_stages, tmp_path):
 def _step_all(engine: LLMEngine, prompts, max_tokens) -> tuple[list[list[int]], int]:
     """Greedy tokens; asserts that the batches in flight never share a request, and returns how
     many batches were collected with the most batches in flight."""
-    full, collect = 0, engine.runner.collect
+    full, sample = 0, engine._sample
 
-    def checked_collect():
+    def checked_sample(step):
         nonlocal full
-        in_flight = [r.request_id for batch, _ in engine.batches_in_flight for r in batch.requests]
+        steps = [step, *engine.in_flight] if not step.sampled else []  # it left the queue to be sampled
+        in_flight = [r.request_id for s in steps for r in s.batch.requests]
         assert len(in_flight) == len(set(in_flight))
-        full += len(engine.batches_in_flight) == engine.config.max_batches_in_flight
-        return collect()
+        full += len(steps) == engine.config.max_batches_in_flight
+        return sample(step)
 
-    engine.runner.collect = checked_collect
+    engine._sample = checked_sample
     return run_engine(engine, prompts, max_tokens), full
 
 
@@ -127,9 +128,8 @@ def _abort_in_flight(engine: LLMEngine, prompts, max_tokens, greedy) -> None:
     that may take them: the batch-mates and the newcomer still get one rank's tokens."""
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
            for p, m in zip(prompts[:4], max_tokens[:4])]
-    assert engine.step() == [] and len(engine.batches_in_flight) == 1
-    (batch, _), = engine.batches_in_flight
-    victim = batch.requests[0].request_id
+    assert engine.step() == [] and len(engine.in_flight) == 1
+    victim = engine.in_flight[0].batch.requests[0].request_id
     assert engine.abort(victim).finished
     ids.append(engine.add_request(prompts[4], SamplingParams(max_tokens=max_tokens[4], temperature=0.0,
                                                              ignore_eos=True)))
