@@ -40,7 +40,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # stages, each a contiguous run of the target's layers
     max_batches_in_flight: int | None = None  # pipeline: batches in flight at once; None: one per stage
     pipeline_layer_partition: str = ""  # layers per stage, "5,4"; empty: as even as possible
-    nnodes: int = 1  # nodes the ranks span; the others run `python -m backend.node` (torchrun's variables)
+    nnodes: int = 1  # nodes the ranks span; the others run `python -m backend.parallel.node` (torchrun's variables)
     master_port: int = 0  # nnodes > 1: the port on this node where every rank meets (MASTER_PORT)
 
     def __post_init__(self) -> None:

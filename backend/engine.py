@@ -29,34 +29,43 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from backend.attention import make_attention_backend
-from backend.block_manager import BlockManager
 from backend.config import EngineConfig
-from backend.detokenizer import IncrementalDetokenizer
+from backend.core.block_manager import BlockManager
+from backend.core.detokenizer import IncrementalDetokenizer
+from backend.core.fault_injection import FaultHook
+from backend.core.output_processor import OutputProcessor
+from backend.core.request import Request, RequestStatus
+from backend.core.request_limits import RequestLimits
+from backend.core.scheduler import ScheduledBatch, Scheduler
 from backend.device import bind_device, resolve_device
 from backend.errors import INTERNAL_ERROR, ValidationError
-from backend.fault_injection import FaultHook
 from backend.host_copy import HostCopy
-from backend.host_waits import HostWaits
 from backend.host_memory import retain_freed_memory
-from backend.linear_tuner import tune_small_batch_linears
-from backend.model_loader import TORCH_DTYPES, load_draft_model, load_hf_config, load_model
-from backend.model_runner import ModelRunner, kv_cache_bytes_per_block
-from backend.output_processor import OutputProcessor
+from backend.host_waits import HostWaits
+from backend.model.attention import make_attention_backend
+from backend.model.linear_tuner import tune_small_batch_linears
+from backend.model.model_loader import (
+    TORCH_DTYPES,
+    load_draft_model,
+    load_hf_config,
+    load_model,
+)
+from backend.model.model_runner import ModelRunner, kv_cache_bytes_per_block
+from backend.model.pipeline_parallel import pipeline_stage
+from backend.model.step_inputs import PendingTokens, target_input
 from backend.outputs import RequestOutput
-from backend.request import Request, RequestStatus
-from backend.request_limits import RequestLimits
-from backend.draft_proposer import DraftProposer
-from backend.ngram_proposer import NgramProposer
-from backend.proposer import Proposer
-from backend.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
-from backend.sampling_metadata import SamplingMetadata, build_sampling_metadata
-from backend.speculator import SpecStep, Speculator
-from backend.pipeline_parallel import pipeline_stage
-from backend.worker_group import PipelineRunner, TensorParallelRunner, WorkerGroup
+from backend.parallel.worker_group import (
+    PipelineRunner,
+    TensorParallelRunner,
+    WorkerGroup,
+)
+from backend.sample.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
+from backend.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.sampling_params import SamplingParams
-from backend.scheduler import ScheduledBatch, Scheduler
-from backend.step_inputs import PendingTokens, target_input
+from backend.spec.draft_proposer import DraftProposer
+from backend.spec.ngram_proposer import NgramProposer
+from backend.spec.proposer import Proposer
+from backend.spec.speculator import SpecStep, Speculator
 
 
 @dataclass(slots=True)
@@ -269,7 +278,7 @@ class LLMEngine:
         outputs = []
         self.in_flight.clear()
         for request in list(self.requests.values()):
-            request.num_pending_tokens = 0
+            request.drop_pending()
             request.error = message
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
             outputs.append(self.output_processor.output(request))
@@ -327,8 +336,7 @@ class LLMEngine:
         for request, n in zip(batch.requests, batch.num_scheduled_tokens):
             if request.num_computed_tokens + n >= request.num_tokens_with_spec:
                 sampled.append(request)
-            request.num_computed_tokens += n
-            request.spec.num_lookahead_tokens = 0
+            request.computed(n)
         if not sampled:
             return step
         for r in sampled:  # drafts proposed from tokens then on the device: their copy has landed
@@ -344,8 +352,7 @@ class LLMEngine:
         last_known = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in sampled] \
             if self.overlap else []
         for request, d in zip(sampled, drafts):
-            request.num_pending_tokens += len(d) + 1  # as if every draft is accepted
-            request.spec.draft_token_ids, request.spec.proposal = [], None
+            request.sampled(len(d))
         output = self.sampler(logits, meta, q)
         if self.overlap:  # what the next step reads before the tokens reach the host
             step.pending = PendingTokens.of_step(meta, output.token_ids, last_known)
@@ -372,14 +379,11 @@ class LLMEngine:
             first_row += k + 1
             if self.requests.get(request.request_id) is not request:
                 continue
-            request.num_pending_tokens -= k + 1
             error = step.meta.errors.get(request.request_id)
             new = [t for t in row_tokens if t != PLACEHOLDER_TOKEN] if error is None else []
+            request.landed(k, len(new) - 1 if error is None else k)
             if k and error is None:
-                num_accepted = len(new) - 1
-                self.speculator.record(request, k, num_accepted)
-                if request.status is RequestStatus.RUNNING:  # (preempted: recomputed from 0)
-                    self._roll_back(request, k - num_accepted)
+                self.speculator.record(request, k, len(new) - 1)
             entries = [self.output_processor.logprob_entry(logprobs.get(row), token, request.params.logprobs)
                        for row, token in zip(rows, new)]
             # trim: no block stays for rejected positions, unless a step launched since holds them
@@ -388,16 +392,6 @@ class LLMEngine:
         if step.spec is not None:
             self.speculator.finish_step(step.spec, sum(len(o.token_ids) for o in outputs))
         return outputs
-
-    @staticmethod
-    def _roll_back(request: Request, num_rejected: int) -> None:
-        """Its computed counts assumed every draft accepted: take the rejected positions off (and
-        off the draft's, when it drafted ahead from those positions before they were known)."""
-        request.num_computed_tokens -= num_rejected
-        if request.spec.drafted_ahead:
-            request.spec.num_computed_tokens -= num_rejected
-        else:
-            request.spec.num_computed_tokens = min(request.spec.num_computed_tokens, request.num_computed_tokens)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

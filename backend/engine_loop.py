@@ -18,7 +18,13 @@ from typing import Callable
 
 from backend.device import bind_device
 from backend.engine import LLMEngine
-from backend.errors import ENGINE_DEAD, INTERNAL_ERROR, EngineDeadError, ValidationError, is_fatal
+from backend.errors import (
+    ENGINE_DEAD,
+    INTERNAL_ERROR,
+    EngineDeadError,
+    ValidationError,
+    is_fatal,
+)
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams
 

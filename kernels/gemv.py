@@ -5,7 +5,7 @@ each weight row is read once, and the few rows of x ride along. cuBLAS picks ker
 larger shapes and reaches well below the bandwidth on small ones (a 2048 x 3072 qkv projection
 at batch 1 ran at 1.8 TB/s on an H200, 42% of the ceiling); `gemv` streams the weight in row
 tiles instead. The engine times both per weight shape at startup on CUDA and keeps the faster
-(backend/linear_tuner.py).
+(backend/model/linear_tuner.py).
 """
 from __future__ import annotations
 

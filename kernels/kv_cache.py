@@ -1,6 +1,6 @@
 """KV-cache write: store the step's K and V at their slots.
 
-Cache layout (backend/model_runner.py): per layer `[num_blocks, block_size, num_kv_heads, head_dim]`;
+Cache layout (backend/model/model_runner.py): per layer `[num_blocks, block_size, num_kv_heads, head_dim]`;
 slot = block_id * block_size + offset. A slot of PAD_SLOT (-1) is skipped.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ class LongQuery:
 @dataclass(slots=True)
 class ReferencePlan:
     """What the reference derives from a step's metadata alone: the same for every layer, so the
-    engine computes it once per step (see backend.attention.TorchAttention)."""
+    engine computes it once per step (see backend.model.attention.TorchAttention)."""
     short: ShortQueries | None
     long: list[LongQuery]
 

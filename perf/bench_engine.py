@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  
 from backend.config import EngineConfig  # noqa: E402
 from backend.device import resolve_device  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
-from backend.model_loader import TORCH_DTYPES  # noqa: E402
+from backend.model.model_loader import TORCH_DTYPES  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
 
 NUM_SPECIAL_TOKENS = 3  # <s>, </s>, <pad> at ids 0..2 in the random checkpoint; prompts avoid them

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
-from backend.engine_core_client import EngineCoreClient  # noqa: E402
+from backend.process.engine_core_client import EngineCoreClient  # noqa: E402
 from backend.engine_loop import EngineLoop  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
 from perf.prompts import DEFAULT_TARGET  # noqa: E402

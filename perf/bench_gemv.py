@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.linear_tuner import time_call  # noqa: E402
+from backend.model.linear_tuner import time_call  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 
 SHAPES_1B = {  # name -> (out, in)

@@ -47,7 +47,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.engine_core_client import EngineCoreClient
+from backend.process.engine_core_client import EngineCoreClient
 from backend.engine_loop import EngineLoop
 from backend.errors import (
     INTERNAL_ERROR,
@@ -56,7 +56,7 @@ from backend.errors import (
     EngineDeadError,
     ValidationError,
 )
-from backend.fault_injection import fault_hook_from_env
+from backend.core.fault_injection import fault_hook_from_env
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams
 from serving.abort_channel import AbortListener, abort_everywhere, instances_directory

@@ -23,7 +23,7 @@ def test_small_batch_kernel_in_every_linear_matches_torch_backend(tiny_llama, mo
     """Every linear layer (packed qkv and gate/up, o_proj, down_proj, lm_head) through the Triton
     small-batch kernel wherever a step has few enough rows: the torch backend's greedy tokens.
     On CUDA the engine picks the kernel per shape by timing; here it is forced everywhere."""
-    import backend.model
+    import backend.model.model
     from kernels.gemv import MAX_ROWS
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,17 +32,17 @@ def test_small_batch_kernel_in_every_linear_matches_torch_backend(tiny_llama, mo
     knobs = dict(model=str(tiny_llama), device=device, block_size=8, max_num_batched_tokens=24, num_kv_blocks=64)
     torch_tokens = run_engine(LLMEngine(EngineConfig(attention_backend="torch", **knobs)), prompts, max_tokens)
     engine = LLMEngine(EngineConfig(attention_backend="triton", **knobs))
-    linears = [m for m in engine.model.modules() if isinstance(m, backend.model.Linear)]
+    linears = [m for m in engine.model.modules() if isinstance(m, backend.model.model.Linear)]
     assert len(linears) == 4 * len(engine.model.model.layers) + 1  # qkv, o, gate/up, down; lm_head
     for m in linears:
         m.gemv_max_rows = MAX_ROWS
-    rows, real_gemv = [], backend.model.gemv
+    rows, real_gemv = [], backend.model.model.gemv
 
     def counted_gemv(x, weight, bias):
         rows.append(x.shape[0])
         return real_gemv(x, weight, bias)
 
-    monkeypatch.setattr(backend.model, "gemv", counted_gemv)
+    monkeypatch.setattr(backend.model.model, "gemv", counted_gemv)
     assert run_engine(engine, prompts, max_tokens) == torch_tokens
     assert len(rows) > len(linears) and max(rows) <= MAX_ROWS  # decode steps went through it
 
@@ -50,8 +50,8 @@ def test_small_batch_kernel_in_every_linear_matches_torch_backend(tiny_llama, mo
 def test_linear_tuner_times_every_weight_shape_and_sets_the_layers(tiny_llama):
     """The startup tuner over a real model (on a CPU the kernel runs interpreted, far slower than
     torch's matmul, so it must keep torch's matmul everywhere); its rule, on given times."""
-    from backend.linear_tuner import ROW_COUNTS, rows_for_gemv, tune_small_batch_linears
-    from backend.model import Linear
+    from backend.model.linear_tuner import ROW_COUNTS, rows_for_gemv, tune_small_batch_linears
+    from backend.model.model import Linear
 
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), attention_backend="triton", num_kv_blocks=16))
     linears = [m for m in engine.model.modules() if isinstance(m, Linear)]

@@ -15,7 +15,7 @@ import zmq
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.engine_core_client import EngineCoreClient
+from backend.process.engine_core_client import EngineCoreClient
 from backend.engine_loop import EngineLoop
 from backend.errors import ENGINE_DEAD, EngineDeadError, ValidationError
 from backend.sampling_params import SamplingParams

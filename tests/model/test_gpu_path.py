@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from backend import engine_loop
-from backend.attention import TorchAttention
+from backend.model.attention import TorchAttention
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
-from backend.model_loader import load_model
-from backend.model_runner import GRAPH_BATCH_SIZES, ModelRunner, StepInput, graph_shape
+from backend.model.model_loader import load_model
+from backend.model.model_runner import GRAPH_BATCH_SIZES, ModelRunner, StepInput, graph_shape
 from backend.sampling_params import SamplingParams
 
 BACKEND = Path(__file__).resolve().parents[2] / "backend"
@@ -61,7 +61,7 @@ def test_nothing_on_the_step_path_waits_for_the_whole_device():
     every other wait is for one event, through host_waits.py. Checked in the source: a CPU run
     never reaches a CUDA-only branch."""
     allowed = {"model_runner.py": 2, "linear_tuner.py": 1}  # capture_decode_graphs; tune_small_batch_linears
-    for path in sorted(BACKEND.glob("*.py")):
+    for path in sorted(BACKEND.rglob("*.py")):
         found = len(re.findall(r"\bsynchronize\(", path.read_text()))
         if path.name == "host_waits.py":
             assert found == 1  # event.synchronize() in HostWaits.wait: the one place that waits

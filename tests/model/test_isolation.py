@@ -10,7 +10,7 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
 from backend.errors import ENGINE_DEAD, INTERNAL_ERROR, EngineDeadError, ValidationError
-from backend.fault_injection import FAULT_AFTER_TOKENS, fault_hook
+from backend.core.fault_injection import FAULT_AFTER_TOKENS, fault_hook
 from backend.sampling_params import SamplingParams
 
 FAULT_SEED = 4242

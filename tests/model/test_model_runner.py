@@ -1,9 +1,9 @@
 """The runner's host inputs: a decode graph gets the same rows as an eager step, plus padding."""
 import torch
 
-from backend.attention import TorchAttention
-from backend.model_loader import load_model
-from backend.model_runner import PAD_BLOCK, PAD_SLOT, ModelRunner, StepInput
+from backend.model.attention import TorchAttention
+from backend.model.model_loader import load_model
+from backend.model.model_runner import PAD_BLOCK, PAD_SLOT, ModelRunner, StepInput
 
 
 def test_graph_inputs_are_the_eager_inputs_plus_padding_rows(tiny_llama):

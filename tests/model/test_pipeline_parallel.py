@@ -14,16 +14,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from backend.attention import TorchAttention
+from backend.model.attention import TorchAttention
 from backend.config import EngineConfig
-from backend.distributed import RANK_SECRET_VARIABLE
+from backend.parallel.distributed import RANK_SECRET_VARIABLE
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
 from backend.errors import ENGINE_DEAD, FatalEngineError, ValidationError
-from backend.model_loader import load_model
-from backend.model_runner import ModelRunner, StepInput
-from backend.node import VARIABLES
-from backend.pipeline_parallel import pipeline_stage
+from backend.model.model_loader import load_model
+from backend.model.model_runner import ModelRunner, StepInput
+from backend.parallel.node import VARIABLES
+from backend.model.pipeline_parallel import pipeline_stage
 from backend.sampling_params import SamplingParams
 from tests.conftest import free_port, write_tiny_model
 from tests.model.test_engine_core import Collector
@@ -231,12 +231,12 @@ TEST_RANK_SECRET = "5ec2e7" * 8  # the operator's SPECSERVE_RANK_SECRET on every
 
 
 def start_node(port: int, world_size: int, local_world_size: int, node_rank: int) -> subprocess.Popen:
-    """`python -m backend.node` with torchrun's rendezvous variables and the ranks' secret, as on
+    """`python -m backend.parallel.node` with torchrun's rendezvous variables and the ranks' secret, as on
     another host."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                LOCAL_WORLD_SIZE=str(local_world_size), NODE_RANK=str(node_rank))
     env[RANK_SECRET_VARIABLE] = TEST_RANK_SECRET
-    return subprocess.Popen([sys.executable, "-m", "backend.node"], env=env)
+    return subprocess.Popen([sys.executable, "-m", "backend.parallel.node"], env=env)
 
 
 def test_a_second_node_serves_its_stage_and_its_death_ends_every_request(four_layers, expected, monkeypatch):
@@ -270,7 +270,7 @@ def test_a_second_node_serves_its_stage_and_its_death_ends_every_request(four_la
 
 
 def test_the_node_command_explains_its_variables():
-    out = subprocess.run([sys.executable, "-m", "backend.node"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "backend.parallel.node"], capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k not in VARIABLES})
     assert out.returncode == 2
     assert "set MASTER_ADDR, MASTER_PORT, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK" in out.stderr
@@ -283,7 +283,7 @@ def test_the_node_command_needs_the_ranks_secret(secret):
     env.pop(RANK_SECRET_VARIABLE, None)
     if secret is not None:
         env[RANK_SECRET_VARIABLE] = secret
-    out = subprocess.run([sys.executable, "-m", "backend.node"], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-m", "backend.parallel.node"], capture_output=True, text=True, env=env)
     assert out.returncode == 2
     assert f"{RANK_SECRET_VARIABLE} must be set, to the same value on every node" in out.stderr
     assert secret is None or secret not in out.stderr  # never echoed

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from backend.config import EngineConfig
-from backend.distributed import RANK_SECRET_VARIABLE, RankRefusedError, prove_secret
+from backend.parallel.distributed import RANK_SECRET_VARIABLE, RankRefusedError, prove_secret
 from backend.engine import LLMEngine
 from backend.errors import FatalEngineError
 from tests.conftest import free_port
@@ -54,7 +54,7 @@ def impostor(port: int, marker: str, attack: str) -> None:
 def test_an_impostor_as_the_missing_rank_is_refused_and_nothing_it_sends_runs(attack, tiny_llama, tmp_path,
                                                                                monkeypatch):
     monkeypatch.setenv(RANK_SECRET_VARIABLE, TEST_RANK_SECRET)
-    monkeypatch.setattr("backend.distributed.PROOF_TIMEOUT", datetime.timedelta(seconds=3))
+    monkeypatch.setattr("backend.parallel.distributed.PROOF_TIMEOUT", datetime.timedelta(seconds=3))
     marker, port = tmp_path / "marker", free_port()
     config = EngineConfig(model=str(tiny_llama), pipeline_parallel_size=2, nnodes=2, master_port=port)
     with ThreadPoolExecutor(1) as pool:

@@ -8,9 +8,9 @@ from scipy.stats import chisquare
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.request import Request
-from backend.sampler import PLACEHOLDER_TOKEN, Sampler
-from backend.sampling_metadata import build_sampling_metadata
+from backend.core.request import Request
+from backend.sample.sampler import PLACEHOLDER_TOKEN, Sampler
+from backend.sample.sampling_metadata import build_sampling_metadata
 from backend.sampling_params import SamplingParams
 from tests.conftest import write_tiny_model
 from tests.model.test_engine_vs_hf import mixed_prompts, run_engine

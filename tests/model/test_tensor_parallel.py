@@ -12,16 +12,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from backend.attention import TorchAttention
+from backend.model.attention import TorchAttention
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
 from backend.errors import ENGINE_DEAD
-from backend.model_loader import load_model
-from backend.model_runner import ModelRunner, StepInput
+from backend.model.model_loader import load_model
+from backend.model.model_runner import ModelRunner, StepInput
 from backend.sampling_params import SamplingParams
-from backend.tensor_parallel import HeadShard, TensorParallelRank, head_shard, shard_model
-from backend.distributed import all_gather
+from backend.model.tensor_parallel import HeadShard, TensorParallelRank, head_shard, shard_model
+from backend.parallel.distributed import all_gather
 from tests.conftest import TINY_VOCAB, write_tiny_model
 from tests.model.test_engine_core import Collector
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine

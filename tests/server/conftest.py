@@ -26,7 +26,7 @@ from serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_serve
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.server
-# a request with this seed raises inside a step after two tokens (backend/fault_injection.py)
+# a request with this seed raises inside a step after two tokens (backend/core/fault_injection.py)
 FAULT_SEED = 4242
 # the default model: SmolLM2-135M-Instruct, converted at set-up (scripts/convert_default_model.py)
 DEFAULT_MODEL = DEFAULT_MODEL_REPOSITORY / "llm_engine" / "1" / "target"

@@ -37,7 +37,7 @@ def _texts(server, prompts: list[str], max_tokens: int = 24) -> list[str]:
 
 def _cores(server) -> list[psutil.Process]:
     tritonserver = psutil.Process(server.handle.process.pid)
-    return [p for p in tritonserver.children(recursive=True) if "backend.engine_core" in " ".join(p.cmdline())]
+    return [p for p in tritonserver.children(recursive=True) if "backend.process.engine_core" in " ".join(p.cmdline())]
 
 
 def _kill_mid_stream(server, victim: psutil.Process) -> None:
@@ -85,7 +85,7 @@ def test_a_killed_server_leaves_no_core(tmp_path):
 
 def _workers(server) -> list[psutil.Process]:
     tritonserver = psutil.Process(server.handle.process.pid)
-    return [p for p in tritonserver.children(recursive=True) if "backend.worker" in " ".join(p.cmdline())]
+    return [p for p in tritonserver.children(recursive=True) if "backend.parallel.worker" in " ".join(p.cmdline())]
 
 
 def test_tensor_parallel_streams_equal_tp1_and_a_killed_worker_ends_them(tmp_path, server):

@@ -1,12 +1,12 @@
 """Pipeline parallelism across two "nodes" on loopback: tritonserver's llm_engine holds stage 0
-and the rendezvous, `python -m backend.node` started on its own with torchrun's variables holds
+and the rendezvous, `python -m backend.parallel.node` started on its own with torchrun's variables holds
 stage 1, both with the ranks' secret. Streams equal one rank's; killing the node ends them with
 the engine's error within seconds, llm_engine unloads itself and the server lives on."""
 from __future__ import annotations
 
 import pytest
 
-from backend.distributed import RANK_SECRET_VARIABLE
+from backend.parallel.distributed import RANK_SECRET_VARIABLE
 from tests.conftest import free_port
 from tests.model.test_pipeline_parallel import TEST_RANK_SECRET, start_node
 from tests.server.conftest import start_test_server, wait_until_unloaded

@@ -1,6 +1,6 @@
 """Block accounting: exact block ids and ref counts through allocate / prefix hit / free / preempt."""
-from backend.block_manager import BlockManager
-from backend.request import Request
+from backend.core.block_manager import BlockManager
+from backend.core.request import Request
 from backend.sampling_params import SamplingParams
 
 

@@ -2,7 +2,7 @@
 so multibyte characters arrive split across tokens)."""
 import pytest
 
-from backend.detokenizer import IncrementalDetokenizer
+from backend.core.detokenizer import IncrementalDetokenizer
 from tests.conftest import _byte_tokenizer
 
 TOK = _byte_tokenizer()

@@ -1,7 +1,7 @@
 """Request's token views."""
 import random
 
-from backend.request import Request
+from backend.core.request import Request
 from backend.sampling_params import SamplingParams
 
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-from backend.request import Request
-from backend.sampler import PLACEHOLDER_TOKEN, Sampler, apply_penalties, inverse_cdf, probs_from_logits
-from backend.sampling_metadata import build_sampling_metadata
+from backend.core.request import Request
+from backend.sample.sampler import PLACEHOLDER_TOKEN, Sampler, apply_penalties, inverse_cdf, probs_from_logits
+from backend.sample.sampling_metadata import build_sampling_metadata
 from backend.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))

@@ -1,9 +1,9 @@
 """The scheduler with batches in flight (pipeline parallelism): a busy request is neither
 scheduled nor preempted, and `max_requests` splits the running requests into batches."""
-from backend.block_manager import BlockManager
-from backend.request import Request, RequestStatus
+from backend.core.block_manager import BlockManager
+from backend.core.request import Request, RequestStatus
 from backend.sampling_params import SamplingParams
-from backend.scheduler import Scheduler
+from backend.core.scheduler import Scheduler
 
 
 def _running(scheduler: Scheduler, names: str, prompt_len: int) -> dict[str, Request]:

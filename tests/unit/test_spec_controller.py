@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from backend.request import Request
+from backend.core.request import Request
 from backend.sampling_params import SamplingParams
-from backend.spec_controller import SpecController, Survival
-from backend.mode_chooser import EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, SWITCH_BUDGET, WARMUP_SAMPLES, ModeChooser
+from backend.core.spec_state import Survival
+from backend.spec.spec_controller import SpecController
+from backend.spec.mode_chooser import EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, SWITCH_BUDGET, WARMUP_SAMPLES, ModeChooser
 
 
 def _own_survival(c: SpecController, r: Request) -> Survival:
@@ -166,7 +167,7 @@ def test_mode_chooser_keeps_batch_size_buckets_apart():
 
 
 def test_linear_cost_fits_the_latest_samples_of_each_size_exactly():
-    from backend.spec_controller import LinearCost
+    from backend.spec.spec_controller import LinearCost
 
     cost = LinearCost(per_size=2)
     cost.add(10, 9.0)
@@ -180,7 +181,7 @@ def test_linear_cost_fits_the_latest_samples_of_each_size_exactly():
 def test_linear_cost_keeps_its_slope_through_a_long_run_at_one_size():
     """Plain decoding times the target at one size (a token per request) step after step; what
     was measured with draft tokens must still count, or verification would look free."""
-    from backend.spec_controller import LinearCost
+    from backend.spec.spec_controller import LinearCost
 
     cost = LinearCost()
     for n in (32, 64, 96, 128):  # a few speculating steps
@@ -271,8 +272,8 @@ def test_speculator_counts_a_verification_by_its_expected_yield():
     happened to yield: the correction is E(k) - (accepted + 1) per verification."""
     import torch
 
-    from backend.ngram_proposer import NgramProposer
-    from backend.speculator import Speculator
+    from backend.spec.ngram_proposer import NgramProposer
+    from backend.spec.speculator import Speculator
 
     spec = Speculator(NgramProposer(), max_k=4, adaptive=True, device=torch.device("cpu"), draft_budget=64)
     r = Request("r", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams())  # repeats: the lookup proposes

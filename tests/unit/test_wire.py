@@ -11,14 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend import core_messages, wire
-from backend.core_messages import AbortRequest, AddRequest, Dead, Failed, Output, Ready, Stats, StopRequest
+from backend.process import core_messages
+
+from backend.parallel import wire
+from backend.process.core_messages import AbortRequest, AddRequest, Dead, Failed, Output, Ready, Stats, StopRequest
 from backend.engine import EngineStats
-from backend.model_runner import StepInput
+from backend.model.model_runner import StepInput
 from backend.outputs import RequestOutput
-from backend.request_limits import RequestLimits
+from backend.core.request_limits import RequestLimits
 from backend.sampling_params import SamplingParams
-from backend.wire import StepHeader, WireError
+from backend.parallel.wire import StepHeader, WireError
 
 
 class _CreatesFile:

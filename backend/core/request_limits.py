@@ -1,0 +1,44 @@
+"""What a request must satisfy to be taken: the engine's vocabulary, context and KV pool.
+
+Checked where a request arrives (the engine, or a client of an engine in another process, which
+gets these limits when the engine starts), so a bad request is refused at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backend.core.block_manager import blocks_needed
+from backend.errors import ValidationError
+from backend.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValidationError("prompt_token_ids", "the prompt is empty")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValidationError("prompt_token_ids", f"token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValidationError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValidationError(
+                "prompt_token_ids", f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}"
+            )
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValidationError(
+                "max_tokens",
+                f"must be in [1, {self.max_model_len - len(prompt_ids)}] for this {len(prompt_ids)}-token "
+                f"prompt (context {self.max_model_len}), got {params.max_tokens}",
+            )
+        need = blocks_needed(len(prompt_ids) + params.max_tokens, self.block_size)
+        if need > self.num_blocks:
+            raise ValidationError(
+                "max_tokens", f"prompt + max_tokens needs {need} KV blocks; the pool has {self.num_blocks}"
+            )

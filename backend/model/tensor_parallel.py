@@ -1,0 +1,198 @@
+"""Tensor parallelism applied to a loaded model from outside it (Megatron-style sharding, the way
+gpt-fast's `apply_tp` does it): each of N ranks keeps its share of every layer, and the outputs
+of the row-parallel projections are summed across ranks.
+
+    qkv_proj      column-parallel: rank r keeps q heads [r H/N, (r+1) H/N) and the KV heads they
+                  read: KV/N of them, or, when N > KV, the one KV head its q heads share (KV heads
+                  are then replicated, N/KV ranks each)
+    o_proj        row-parallel: the columns of its q heads, then all-reduce (bias on rank 0 only)
+    gate_up_proj  column-parallel: rows [r I/N, (r+1) I/N) of gate and of up
+    down_proj     row-parallel: the matching columns, then all-reduce (bias on rank 0 only)
+    embed_tokens  vocab-parallel: rank r keeps rows [r V', (r+1) V') (V' = ceil(V / N)); a token
+                  outside them embeds as zeros, and the ranks' embeddings are summed
+    lm_head       vocab-parallel: each rank scores its rows, the scores are gathered (every rank
+                  gets the whole logits; rank 0 alone samples)
+    norms         replicated
+
+The loader applies this to a model still on the meta device and then reads only the rank's
+rows and columns of each checkpoint tensor (`checkpoint_slice`), so a rank never holds the whole
+model. `model.args` becomes the rank's view (its heads, KV heads and MLP width), so a ModelRunner built
+on the sharded model sizes a KV pool of the rank's own KV heads, for the same block ids as every
+other rank's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from backend.model.model import Linear, LlamaForCausalLM, ModelArgs
+
+AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
+AllGather = Callable[[torch.Tensor], list[torch.Tensor]]  # every rank's tensor (same shape), in rank order
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    q_heads: range  # the query heads this rank computes
+    kv_heads: range  # the KV heads they read
+
+
+def head_shard(num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> HeadShard:
+    if num_heads % world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} must divide the {num_heads} attention heads")
+    per_rank = num_heads // world_size
+    q_heads = range(rank * per_rank, (rank + 1) * per_rank)
+    if num_kv_heads >= world_size:
+        if num_kv_heads % world_size:
+            raise ValueError(f"tensor_parallel_size {world_size} must divide the {num_kv_heads} KV heads")
+        kv_per_rank = num_kv_heads // world_size
+        return HeadShard(q_heads, range(rank * kv_per_rank, (rank + 1) * kv_per_rank))
+    if world_size % num_kv_heads:
+        raise ValueError(f"the {num_kv_heads} KV heads must divide tensor_parallel_size {world_size}")
+    kv_head = rank // (world_size // num_kv_heads)  # the KV head its q heads read (replicated)
+    return HeadShard(q_heads, range(kv_head, kv_head + 1))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [start, stop) of the embedding table; the ranks' outputs are summed."""
+
+    def __init__(self, weight: torch.Tensor, start: int, stop: int, all_reduce: AllReduce):
+        super().__init__()
+        self.weight = nn.Parameter(weight[start:stop].clone(), requires_grad=False)
+        self.start, self.stop, self.all_reduce = start, stop, all_reduce
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        mine = (input_ids >= self.start) & (input_ids < self.stop)
+        local = torch.where(mine, input_ids - self.start, 0)
+        out = nn.functional.embedding(local, self.weight) * mine[:, None].to(self.weight.dtype)
+        self.all_reduce(out)
+        return out
+
+
+class ParallelLMHead(nn.Module):
+    """Scores for this rank's vocabulary rows; the ranks' scores gathered into the whole logits."""
+
+    def __init__(self, weight: torch.Tensor, start: int, stop: int, rows_per_rank: int, vocab_size: int,
+                 all_gather: AllGather):
+        super().__init__()
+        self.weight = nn.Parameter(weight[start:stop].clone(), requires_grad=False)
+        self.rows_per_rank, self.vocab_size, self.all_gather = rows_per_rank, vocab_size, all_gather
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        scores = nn.functional.linear(x, self.weight)
+        padded = nn.functional.pad(scores, (0, self.rows_per_rank - scores.shape[1]))  # equal shapes to gather
+        return torch.cat(self.all_gather(padded), dim=1)[:, : self.vocab_size]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelRank:
+    """One rank of N, and the collectives its sharded layers call."""
+
+    rank: int
+    world_size: int
+    all_reduce: AllReduce
+    all_gather: AllGather
+
+
+@dataclass(frozen=True, slots=True)
+class RankShare:
+    """The rows and columns of the unsharded weights that a rank keeps."""
+
+    heads: HeadShard
+    vocab: slice  # rows of embed_tokens and lm_head
+    vocab_rows_per_rank: int  # ceil(V / N): every rank's score width before the gather
+    q: slice  # rows of q_proj, columns of o_proj
+    kv: slice  # rows of k_proj and of v_proj
+    mlp: slice  # rows of gate_proj and of up_proj, columns of down_proj
+
+
+def rank_share(args: ModelArgs, rank: int, world_size: int) -> RankShare:
+    rows_per_rank = -(-args.vocab_size // world_size)
+    vocab = slice(min(rank * rows_per_rank, args.vocab_size), min((rank + 1) * rows_per_rank, args.vocab_size))
+    heads = head_shard(args.num_heads, args.num_kv_heads, rank, world_size)
+    if args.intermediate_size % world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} must divide intermediate_size {args.intermediate_size}")
+    width = args.intermediate_size // world_size
+    d = args.head_dim
+    return RankShare(heads, vocab, rows_per_rank, q=slice(heads.q_heads.start * d, heads.q_heads.stop * d),
+                     kv=slice(heads.kv_heads.start * d, heads.kv_heads.stop * d),
+                     mlp=slice(rank * width, (rank + 1) * width))
+
+
+_ROW_PARALLEL = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+_COLUMN_PARALLEL = {"o_proj": "q", "down_proj": "mlp"}
+
+
+def checkpoint_slice(name: str, share: RankShare, rank: int) -> tuple[slice, ...] | None:
+    """The part of checkpoint tensor `name` (an unsharded HF name) that a rank keeps, as an index
+    into it; None when it keeps none of it (a row-parallel bias off rank 0, which stays zero)."""
+    module_path, _, kind = name.rpartition(".")
+    proj = module_path.rpartition(".")[2]
+    if module_path in ("model.embed_tokens", "lm_head"):
+        return (share.vocab,)
+    if proj in _ROW_PARALLEL:
+        return (getattr(share, _ROW_PARALLEL[proj]),)
+    if proj in _COLUMN_PARALLEL:
+        if kind == "bias":
+            return (slice(None),) if rank == 0 else None
+        return (slice(None), getattr(share, _COLUMN_PARALLEL[proj]))
+    return (slice(None),)  # replicated: norms
+
+
+def _keep_rows(linear: Linear, rows: list[slice]) -> None:
+    """Keep these output rows (in this order) of a linear layer's weight and bias."""
+    linear.weight = nn.Parameter(torch.cat([linear.weight.data[r] for r in rows]), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(torch.cat([linear.bias.data[r] for r in rows]), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
+
+
+def _keep_columns(linear: Linear, columns: slice, rank: int, all_reduce: AllReduce) -> None:
+    """Keep these input columns of a row-parallel layer; its output is summed over the ranks
+    (the bias is added once, by rank 0)."""
+    linear.weight = nn.Parameter(linear.weight.data[:, columns].contiguous(), requires_grad=False)
+    linear.in_features = linear.weight.shape[1]
+    if linear.bias is not None and rank != 0:
+        linear.bias = nn.Parameter(torch.zeros_like(linear.bias.data), requires_grad=False)
+
+    def reduce(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        all_reduce(output)
+
+    linear.register_forward_hook(reduce)
+
+
+def shard_model(model: LlamaForCausalLM, tp: TensorParallelRank) -> None:
+    """Cut a model down to rank `tp.rank`'s share, in place. The loader does it to a model still on
+    the meta device (shapes only), then reads each weight's share (checkpoint_slice)."""
+    args = model.args
+    share = rank_share(args, tp.rank, tp.world_size)
+    embedding, head = model.model.embed_tokens, model.lm_head  # None on a pipeline stage without them
+    if embedding is not None:
+        model.model.embed_tokens = VocabParallelEmbedding(embedding.weight.data, share.vocab.start, share.vocab.stop,
+                                                          tp.all_reduce)
+    if head is not None:
+        model.lm_head = ParallelLMHead(head.weight.data, share.vocab.start, share.vocab.stop,
+                                       share.vocab_rows_per_rank, args.vocab_size, tp.all_gather)
+    if model.shares_embeddings:  # one copy of the shared rows
+        model.lm_head.weight = model.model.embed_tokens.weight
+    d, q_heads, kv_heads = args.head_dim, len(share.heads.q_heads), len(share.heads.kv_heads)
+    k_start = args.num_heads * d
+    v_start = k_start + args.num_kv_heads * d
+    width = share.mlp.stop - share.mlp.start
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        _keep_rows(attn.qkv_proj, [share.q, slice(k_start + share.kv.start, k_start + share.kv.stop),
+                                   slice(v_start + share.kv.start, v_start + share.kv.stop)])
+        attn.qkv_proj.shard_sizes = [q_heads * d, kv_heads * d, kv_heads * d]
+        attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
+        _keep_columns(attn.o_proj, share.q, tp.rank, tp.all_reduce)
+        mlp = layer.mlp
+        up = slice(args.intermediate_size + share.mlp.start, args.intermediate_size + share.mlp.stop)
+        _keep_rows(mlp.gate_up_proj, [share.mlp, up])
+        mlp.gate_up_proj.shard_sizes = [width, width]
+        _keep_columns(mlp.down_proj, share.mlp, tp.rank, tp.all_reduce)
+    model.args = dataclasses.replace(args, num_heads=q_heads, num_kv_heads=kv_heads, intermediate_size=width)
