@@ -184,6 +184,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # a draft with a reduced vocabulary (model_loader.DRAFT_VOCAB_FILE): the target token id
+        # of each of its logits' columns, [draft_vocab] int64; None: the whole vocabulary
+        self.vocab_token_ids: torch.Tensor | None = None
 
     def forward(
         self,

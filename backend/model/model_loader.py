@@ -14,12 +14,14 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from backend.errors import ValidationError
 from backend.model.model import (
     PACKED_PROJECTIONS,
+    Linear,
     LlamaForCausalLM,
     ModelArgs,
     RotaryEmbedding,
@@ -38,6 +40,10 @@ from backend.model.tensor_parallel import (
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# a draft with a reduced vocabulary (FR-Spec, 2025): its lm_head's rows are these
+# target token ids (one int64 tensor "token_ids", sorted, unique); its probability is 0 elsewhere
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+EMBEDDINGS = "model.embed_tokens.weight"
 
 
 def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
@@ -96,14 +102,22 @@ def _whole(name: str) -> tuple[slice, ...]:
 def load_model(
     model_dir: str | Path, dtype: str, device: torch.device, max_model_len: int,
     tensor_parallel: TensorParallelRank | None = None, stage: PipelineStage | None = None,
+    head_rows: int | None = None, embeddings: torch.Tensor | None = None,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """The model; with `stage` only that pipeline stage's part of it; with `tensor_parallel` one
-    rank's shard of that."""
+    rank's shard of that. A draft may have an lm_head of `head_rows` rows (a reduced
+    vocabulary) and take its `embeddings` [vocab, hidden] from the target when its checkpoint
+    has none (shared when the dtypes match)."""
     config = load_hf_config(model_dir)
     args = model_args(config)
     inv_freq, scaling = rope_inverse_frequencies(config, args.head_dim)
     with torch.device("meta"):
         model = LlamaForCausalLM(args, RotaryEmbedding(inv_freq.to("meta"), scaling, 1))
+        if head_rows is not None:
+            if args.tie_word_embeddings:
+                raise ValidationError("draft_model", "a reduced vocabulary needs an lm_head of its own "
+                                                     "(tie_word_embeddings false)")
+            model.lm_head = Linear(args.hidden_size, head_rows, False)
     if stage is not None:
         split_model(model, stage)
     select: Selector = _whole
@@ -115,7 +129,15 @@ def load_model(
     rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
     for layer in model.model.layers:
         layer.self_attn.rotary = rotary
-    _load_weights(model, Path(model_dir), device, select, stage)
+    given = set()
+    if embeddings is not None and not _has_weight(Path(model_dir), EMBEDDINGS):
+        if tuple(embeddings.shape) != tuple(model.model.embed_tokens.weight.shape):
+            raise ValidationError("draft_model", f"has no embeddings, and the target's {tuple(embeddings.shape)} "
+                                                 f"do not fit its {tuple(model.model.embed_tokens.weight.shape)}")
+        weight = embeddings.to(device=device, dtype=TORCH_DTYPES[dtype])  # the same tensor when it fits
+        model.model.embed_tokens.weight = torch.nn.Parameter(weight, requires_grad=False)
+        given.add(EMBEDDINGS)
+    _load_weights(model, Path(model_dir), device, select, stage, given)
     if model.shares_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval(), config
@@ -133,13 +155,26 @@ def _parameter_for(model: LlamaForCausalLM, name: str) -> tuple[str, slice | Non
     return f"{parent}.{packed}.{kind}", module.shard_rows(shard)
 
 
+def _has_weight(model_dir: Path, name: str) -> bool:
+    for file in _weight_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            if name in f.keys():
+                return True
+    return False
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    return sorted(f for f in model_dir.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE)
+
+
 def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device, select: Selector,
-                  stage: PipelineStage | None) -> None:
-    files = sorted(model_dir.glob("*.safetensors"))
+                  stage: PipelineStage | None, given: set[str] = frozenset()) -> None:
+    """`given`: parameters set already (a draft's embeddings, the target's)."""
+    files = _weight_files(model_dir)
     if not files:
         raise ValidationError("model", f"no *.safetensors weights in {model_dir}")
     params = dict(model.named_parameters())
-    rows_left = {name: p.shape[0] for name, p in params.items()}  # rows not loaded yet
+    rows_left = {name: 0 if name in given else p.shape[0] for name, p in params.items()}  # rows not loaded yet
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -180,11 +215,17 @@ def load_draft_model(
     draft_dir: str | Path, target: LlamaForCausalLM, tokenizer, dtype: str, device: torch.device, max_model_len: int
 ) -> LlamaForCausalLM:
     """Load a draft model and check that it can speak for the target: same vocabulary and
-    tokenizer, a context at least max_model_len long."""
+    tokenizer, a context at least max_model_len long. With DRAFT_VOCAB_FILE its lm_head covers
+    those target tokens only (`draft.vocab_token_ids`, else None); without embeddings of its own
+    it reads the target's."""
     draft_dir = Path(draft_dir)
     if not draft_dir.is_dir():
         raise ValidationError("draft_model", f"not a directory: {draft_dir}")
-    draft, config = load_model(draft_dir, dtype, device, max_model_len)
+    token_ids = load_draft_vocab(draft_dir / DRAFT_VOCAB_FILE, target.args.vocab_size)
+    embeddings = target.model.embed_tokens.weight if target.model.embed_tokens is not None else None
+    draft, config = load_model(draft_dir, dtype, device, max_model_len,
+                               head_rows=len(token_ids) if token_ids is not None else None, embeddings=embeddings)
+    draft.vocab_token_ids = token_ids.to(device) if token_ids is not None else None
     if draft.args.vocab_size != target.args.vocab_size:
         raise ValidationError(
             "draft_model",
@@ -201,3 +242,16 @@ def load_draft_model(
             "draft_model", f"context {config.max_position_embeddings} is shorter than max_model_len {max_model_len}"
         )
     return draft
+
+
+def load_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
+    """[draft_vocab] int64 target token ids of a reduced draft vocabulary, or None without the file."""
+    if not path.is_file():
+        return None
+    tensors = load_file(str(path))
+    ids = tensors.get("token_ids")
+    if ids is None or ids.dim() != 1 or ids.dtype != torch.int64 or not len(ids):
+        raise ValidationError("draft_model", f"{path.name} must hold one int64 tensor 'token_ids' [draft_vocab]")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or bool((ids[1:] <= ids[:-1]).any()):
+        raise ValidationError("draft_model", f"{path.name}: token_ids must be sorted, unique and in [0, {vocab_size})")
+    return ids

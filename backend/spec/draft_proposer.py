@@ -30,6 +30,17 @@ class DraftProposer:
         self.runner = runner
         self.sampler = sampler  # the engine's: unseeded requests draw from its generator
         self.vocab_size = vocab_size
+        self.vocab_token_ids = runner.model.vocab_token_ids  # [draft_vocab]; None: the whole vocabulary
+
+    def full_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+        """A reduced draft vocabulary's logits [n, draft_vocab] in the target's columns, -inf
+        elsewhere: the draft draws only its own tokens, and q is 0 outside them, which rejection
+        sampling needs to stay exact (it only ever sees what the draft could have drawn)."""
+        if self.vocab_token_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.vocab_token_ids] = logits
+        return full
 
     def num_available(self, request: Request, k: int) -> int:
         return k
@@ -63,7 +74,7 @@ class DraftProposer:
             if pending is not None:  # catch-up rows read known tokens at known positions
                 step.position_offsets = pending.corrections([requests[i].request_id for i in active],
                                                             len(step.token_ids))
-            logits = self.runner.run(step)
+            logits = self.full_vocabulary(self.runner.run(step))
             if active:
                 drafting = [requests[i] for i in active]
                 meta = build_sampling_metadata(drafting, [[] for _ in active], self.vocab_size, self.sampler.generator,

@@ -2,8 +2,12 @@
 blocks accounted for after rejections, aborts and preemptions."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from backend.config import EngineConfig
@@ -12,8 +16,23 @@ from backend.core.request import Request
 from backend.sample.sampler import PLACEHOLDER_TOKEN, Sampler
 from backend.sample.sampling_metadata import build_sampling_metadata
 from backend.sampling_params import SamplingParams
+from backend.errors import ValidationError
+from backend.model.model_loader import DRAFT_VOCAB_FILE, EMBEDDINGS
 from tests.conftest import write_tiny_model
 from tests.model.test_engine_vs_hf import mixed_prompts, run_engine
+
+
+def reduce_draft_vocabulary(draft: Path, out: Path, token_ids: list[int], drop_embeddings: bool) -> Path:
+    """A copy of `draft` whose lm_head keeps the rows of `token_ids` only (DRAFT_VOCAB_FILE says
+    which), without its embeddings when asked (it then reads the target's)."""
+    shutil.copytree(draft, out)
+    weights = load_file(str(out / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"][token_ids].contiguous()
+    if drop_embeddings:
+        del weights[EMBEDDINGS]
+    save_file(weights, str(out / "model.safetensors"))
+    save_file({"token_ids": torch.tensor(token_ids, dtype=torch.int64)}, str(out / DRAFT_VOCAB_FILE))
+    return out
 
 
 def spec_engine(model, draft=None, method="draft", **knobs) -> LLMEngine:
@@ -210,17 +229,20 @@ def test_rejection_sampling_is_lossless_and_a_biased_rule_fails():
     assert _chi_square_p(_accept_all) < 1e-6
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_engine_sampling_matches_target_distribution(tmp_path, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, reduced", [(False, False), (True, False), (False, True)])
+def test_engine_sampling_matches_target_distribution(tmp_path, async_scheduling, reduced):
     """End to end: with a poor draft, the 2nd and 3rd generated tokens (the ones speculation
     produces) follow the target's exact marginals, computed from HF by enumeration; with
-    overlapped steps too (drafts proposed from tokens the host has not seen yet)."""
+    overlapped steps too (drafts proposed from tokens the host has not seen yet), and with a
+    draft whose vocabulary is 5 of the 8 tokens (q is 0 outside them)."""
     from transformers import AutoModelForCausalLM
 
     vocab, trials, prompt = 8, 800, [3, 5, 4]
     sharp = dict(vocab_size=vocab, initializer_range=0.6)  # peaked, unlike a near-uniform random init
     target = write_tiny_model(tmp_path / "t", "llama", seed=11, **sharp)
     draft = write_tiny_model(tmp_path / "d", "llama", seed=12, hidden_size=32, num_hidden_layers=1, **sharp)
+    if reduced:
+        draft = reduce_draft_vocabulary(draft, tmp_path / "reduced", [0, 2, 3, 5, 6], drop_embeddings=False)
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
 
     def next_probs(ids: list[int]) -> torch.Tensor:
@@ -252,3 +274,38 @@ def test_engine_sampling_matches_target_distribution(tmp_path, async_scheduling)
         exp = expected[keep] * trials
         obs = counts[keep]
         assert chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue > 0.001
+
+
+def test_a_reduced_vocabulary_draft_drafts_its_tokens_only_and_stays_greedy_identical(tiny_llama, tmp_path):
+    """The target as its own draft, its lm_head cut to the specials and every other byte, its
+    embeddings dropped (it reads the target's, the same tensor): greedy output is the target's,
+    every drafted token is one of the draft's, and those the target agrees with are accepted."""
+    subset = [0, 1, 2] + list(range(3, 259, 2))
+    draft = reduce_draft_vocabulary(tiny_llama, tmp_path / "reduced", subset, drop_embeddings=True)
+    prompts, max_tokens = mixed_prompts(12, seed=5)
+    plain = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama))), prompts, max_tokens)
+    engine = spec_engine(tiny_llama, draft, adaptive_speculation=False, num_speculative_tokens=3)
+    assert engine.draft_model.model.embed_tokens.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
+    proposer, drafted = engine.speculator.proposer, []
+    real_propose = proposer.propose
+
+    def propose(*args, **kwargs):
+        proposals = real_propose(*args, **kwargs)
+        drafted.extend(t for p in proposals for t in p.device_token_ids.tolist())
+        return proposals
+
+    proposer.propose = propose
+    assert run_engine(engine, prompts, max_tokens) == plain
+    assert drafted and set(drafted) <= set(subset)
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
+
+
+@pytest.mark.parametrize("token_ids, dtype", [([3, 2], torch.int64), ([1, 1], torch.int64), ([5, 9999], torch.int64),
+                                              ([1, 2], torch.int32)])
+def test_a_bad_draft_vocabulary_is_a_startup_error(tiny_llama, tmp_path, token_ids, dtype):
+    draft = reduce_draft_vocabulary(tiny_llama, tmp_path / "reduced", [1, 2], drop_embeddings=False)
+    save_file({"token_ids": torch.tensor(token_ids, dtype=dtype)}, str(draft / DRAFT_VOCAB_FILE))
+    with pytest.raises(ValidationError, match="draft_model: draft_vocab.safetensors"):
+        spec_engine(tiny_llama, draft)
+
