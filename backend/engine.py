@@ -53,7 +53,7 @@ from backend.model.model_loader import (
 from backend.model.model_runner import ModelRunner, kv_cache_bytes_per_block
 from backend.model.pipeline_parallel import pipeline_stage
 from backend.model.step_inputs import PendingTokens, target_input
-from backend.outputs import RequestOutput
+from backend.outputs import EngineStats, RequestOutput
 from backend.parallel.worker_group import (
     PipelineRunner,
     TensorParallelRunner,
@@ -66,25 +66,6 @@ from backend.spec.draft_proposer import DraftProposer
 from backend.spec.ngram_proposer import NgramProposer
 from backend.spec.proposer import Proposer
 from backend.spec.speculator import SpecStep, Speculator
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float  # 0..1
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_preemptions_total: int
-    prefix_cache_hit_tokens_total: int
-    prefix_cache_query_tokens_total: int
-    spec_draft_tokens_total: int
-    spec_accepted_tokens_total: int
-    spec_accepted_per_position: list[int]  # draft position i -> tokens accepted there
-    graph_replays_total: int = 0  # steps (target and draft forwards) that replayed a CUDA graph
-    host_waits_total: int = 0  # waits of the host for the device (host_waits.py)
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""What the engine hands back per request per iteration."""
+"""What the engine hands back: per request per iteration, and its totals (`LLMEngine.stats()`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,3 +21,22 @@ class RequestOutput:
     num_draft_tokens: int = 0  # total proposed by speculation so far
     num_accepted_tokens: int = 0  # total accepted so far
     queue_seconds: float | None = None  # on the final output: arrival to first scheduled (None: never scheduled)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float  # 0..1
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions_total: int
+    prefix_cache_hit_tokens_total: int
+    prefix_cache_query_tokens_total: int
+    spec_draft_tokens_total: int
+    spec_accepted_tokens_total: int
+    spec_accepted_per_position: list[int]  # draft position i -> tokens accepted there
+    graph_replays_total: int = 0  # steps (target and draft forwards) that replayed a CUDA graph
+    host_waits_total: int = 0  # waits of the host for the device (host_waits.py)

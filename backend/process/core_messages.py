@@ -10,8 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from backend.core.request_limits import RequestLimits
-from backend.engine import EngineStats
-from backend.outputs import RequestOutput
+from backend.outputs import EngineStats, RequestOutput
 from backend.parallel.wire import Decoder
 from backend.sampling_params import SamplingParams
 

@@ -21,10 +21,9 @@ import zmq
 from backend.child_process import private_directory, remove_directory, start_module
 from backend.config import EngineConfig
 from backend.core.request_limits import RequestLimits
-from backend.engine import EngineStats
 from backend.engine_loop import OutputCallback
 from backend.errors import ENGINE_DEAD, EngineDeadError
-from backend.outputs import RequestOutput
+from backend.outputs import EngineStats, RequestOutput
 from backend.parallel import wire
 from backend.process import core_messages
 from backend.process.core_messages import (

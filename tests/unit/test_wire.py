@@ -15,7 +15,7 @@ from backend.process import core_messages
 
 from backend.parallel import wire
 from backend.process.core_messages import AbortRequest, AddRequest, Dead, Failed, Output, Ready, Stats, StopRequest
-from backend.engine import EngineStats
+from backend.outputs import EngineStats
 from backend.model.model_runner import StepInput
 from backend.outputs import RequestOutput
 from backend.core.request_limits import RequestLimits
