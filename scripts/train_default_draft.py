@@ -1,24 +1,40 @@
 """Distil a draft model for the default target, SmolLM2-135M-Instruct, on this machine's CPU.
 
-The draft is a small Llama with the target's tokenizer, width and embeddings: `--layers` decoder
-layers (initialised from the target's first layers), the target's final norm, and the target's
-tied embeddings as its embedding and lm_head (frozen, so that only the layers are trained and the
-committed result is small). Training minimises KL(target || draft) over the vocabulary at every
-position (the teacher's logits computed on the fly in bfloat16) on two kinds of text:
+The draft is a standard HF Llama with the target's tokenizer, width and heads, and two departures:
+  * `--layers` decoder layers, initialised from those target layers (default 0,1), and the target's
+    final norm, all trained;
+  * input embedding = the target's (frozen, NOT saved: the engine takes it from the target), and a
+    reduced lm_head of V' = `--draft-vocab` rows (FR-Spec, 2025): the V' most frequent
+    tokens of the training answers, code windows and the teacher's argmaxes, initialised from the
+    target's embedding rows and trained. The draft's probability is zero outside those tokens;
+    draft_vocab.safetensors maps draft row i -> target token id (`token_ids`, int64 [V'], ascending).
+    config.json keeps vocab_size = the target's (the embedding's) and adds draft_vocab_size = V'.
 
-  chat   the target's own answers (T = 0.7, seeded) to scripts/chat_prompts.training_prompts(),
-         whose topics the held-out evaluation prompts do not use
-  code   Python standard-library files (scripts/python_corpus.py), tokenized with the target's
-         tokenizer, in windows
+Training text:
+  chat   the target's own answers (T = 0.7, seeded, bfloat16 engine) to
+         scripts/chat_prompts.training_prompts(), whose topics the held-out prompts do not use
+  code   windows of Python standard-library files (scripts/python_corpus.py)
+The teacher's outputs are computed once (`logits` stage): at every position the top-`--top-k`
+log-probabilities and the final normed hidden state. The loss is soft CE to the teacher's top-k
+restricted to the draft vocabulary (renormalised, = KL up to a constant), + `--hard` x CE on the
+teacher's argmax, + `--feature` x smooth-L1 between draft and teacher final hidden states.
 
-Stages (``--stage`` a comma list): ``teacher`` measures the target's generation tok/s and prints
-the estimated CPU time of the other stages; ``data`` generates the chat answers and cuts the code
-windows into .cache/default_draft; ``train`` distils for ``--minutes`` and reports, before and
-after, greedy agreement and the expected acceptance sum_x min(p, q) at T = 0.7 (Leviathan et al.
-2023, arXiv 2211.17192) on the target's answers to the held-out prompts, never trained on.
+Stages (``--stage``, a comma list):
+  teacher  measures the target's generation tok/s and estimates the data stage's CPU time
+  data     generates the chat answers (keeping those already in data.pt) and the held-out answers
+           (HELDOUT, T = 0.7), cuts the code windows -> .cache/default_draft/data.pt
+  logits   the teacher's top-k and hidden states on every training sequence -> teacher.pt
+  train    distils for `--minutes`, reports greedy agreement and expected acceptance sum_x min(p, q)
+           at T = 0.7 (Leviathan et al. 2023, arXiv 2211.17192; q scattered to the full vocabulary)
+           on the float32 target's distributions over its answers to the held-out prompts (chat and
+           code separately, never trained on), before, during (`--eval-every`) and after, then
+           saves to `--out`: config.json, model.safetensors (bfloat16, no model.embed_tokens),
+           draft_vocab.safetensors, the target's tokenizer files and train_result.json
 
-    python scripts/train_default_draft.py --stage teacher
-    nice -n 19 python scripts/train_default_draft.py --stage data,train --minutes 30
+    nice -n 19 python scripts/train_default_draft.py --stage data,logits   # ~25 min on 2 busy cores
+    nice -n 19 python scripts/train_default_draft.py --stage train --layers 0,1 --draft-vocab 8192 \
+        --batch-size 8 --lr 1e-3 --minutes 38 --eval-every 250 --out .cache/default_draft/best
+    nice -n 19 python scripts/draft_bench.py --threads 2     # batch-1 draft / target forward time
 """
 
 from __future__ import annotations
@@ -56,14 +72,14 @@ def chat_ids(tok, prompt: str) -> list[int]:
 
 
 def generate_answers(prompts: list[list[int]], max_tokens: int, temperature: float, dtype: str,
-                     threads: int) -> tuple[list[list[int]], float]:
+                     threads: int, seed0: int = 0) -> tuple[list[list[int]], float]:
     """The target's answers, batched through this engine; returns (answers, generated tok/s)."""
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(TARGET), dtype=dtype, num_threads=threads, max_num_seqs=64))
-    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed0 + i))
            for i, p in enumerate(prompts)]
     answers: dict[str, list[int]] = {}
     start = time.perf_counter()
@@ -75,58 +91,19 @@ def generate_answers(prompts: list[list[int]], max_tokens: int, temperature: flo
 
 
 def code_windows(tok, num_windows: int, seed: int) -> list[list[int]]:
-    from scripts.python_corpus import stdlib_files
+    """SEQ_LEN-token windows (one every 4 * SEQ_LEN tokens) of shuffled Python standard-library files."""
+    from scripts.python_corpus import stdlib_project
 
     rng = random.Random(seed)
-    files = stdlib_files()
-    rng.shuffle(files)
+    texts = list(stdlib_project().files.values())
+    rng.shuffle(texts)
     windows: list[list[int]] = []
-    for path in files:
-        text = path.read_text(errors="ignore")
+    for text in texts:
         ids = tok(text, add_special_tokens=False).input_ids
         windows += [ids[i:i + SEQ_LEN] for i in range(0, len(ids) - SEQ_LEN, SEQ_LEN * 4)]
         if len(windows) >= num_windows:
             break
     return windows[:num_windows]
-
-
-def new_draft(target, num_layers: int):
-    from transformers import LlamaForCausalLM
-
-    config = target.config.__class__.from_dict(target.config.to_dict())
-    config.num_hidden_layers = num_layers
-    draft = LlamaForCausalLM(config)
-    state = {k: v for k, v in target.state_dict().items()
-             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
-    draft.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    draft.tie_weights()
-    for name, p in draft.named_parameters():
-        p.requires_grad = name.startswith("model.layers.")
-    return draft
-
-
-def kl_loss(teacher_logits: torch.Tensor, draft_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) per position, averaged over the masked positions. [B, T, V], [B, T, V], [B, T]"""
-    p_log = F.log_softmax(teacher_logits.float(), -1)
-    q_log = F.log_softmax(draft_logits.float(), -1)
-    kl = (p_log.exp() * (p_log - q_log)).sum(-1)  # [B, T]
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
-
-
-def batches(sequences: list[tuple[list[int], int]], batch_size: int, seed: int, pad: int):
-    """Endless shuffled batches: (input_ids [B, T], loss mask [B, T]) from (ids, first loss position)."""
-    rng = random.Random(seed)
-    while True:
-        rng.shuffle(sequences)
-        for i in range(0, len(sequences) - batch_size + 1, batch_size):
-            chunk = [(ids[:SEQ_LEN], start) for ids, start in sequences[i:i + batch_size]]
-            length = max(len(ids) for ids, _ in chunk)
-            input_ids = torch.full((batch_size, length), pad)
-            mask = torch.zeros(batch_size, length)
-            for row, (ids, start) in enumerate(chunk):
-                input_ids[row, :len(ids)] = torch.tensor(ids)
-                mask[row, max(start - 1, 0):len(ids) - 1] = 1  # positions that predict a loss token
-            yield input_ids, mask
 
 
 def stage_teacher(args) -> None:
@@ -141,88 +118,293 @@ def stage_teacher(args) -> None:
 
 
 def stage_data(args) -> None:
+    """Chat answers, held-out answers and code windows into data.pt; answers already there are kept
+    (same prompts, same seeds), so a larger --num-chat generates only the missing ones."""
     tok, _ = load_target(torch.float32)
     CACHE.mkdir(parents=True, exist_ok=True)
+    old = torch.load(CACHE / "data.pt") if (CACHE / "data.pt").exists() else {}
     prompts = [chat_ids(tok, p) for p in training_prompts(args.seed)[:args.num_chat]]
-    answers, tps = generate_answers(prompts, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads)
-    print(f"chat answers: {len(answers)}, {sum(map(len, answers))} tokens, {tps:.0f} tok/s")
+    chat_seqs = [s for s, p in zip(old.get("chat", []), prompts) if s[0][:s[1]] == p]
+    todo = prompts[len(chat_seqs):]
+    if todo:
+        answers, tps = generate_answers(todo, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads,
+                                        seed0=len(chat_seqs))
+        chat_seqs += [(p + a, len(p)) for p, a in zip(todo, answers)]
+        print(f"chat answers: {len(answers)} new, {sum(map(len, answers))} tokens, {tps:.0f} tok/s")
     heldout = [chat_ids(tok, p) for p in HELDOUT]
-    heldout_answers, _ = generate_answers(heldout, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads)
+    if [s[0][:s[1]] for s in old.get("heldout", [])] == heldout:
+        heldout_seqs = old["heldout"]
+    else:
+        heldout_answers, _ = generate_answers(heldout, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads)
+        heldout_seqs = [(p + a, len(p)) for p, a in zip(heldout, heldout_answers)]
     code = code_windows(tok, args.num_code_windows, args.seed)
-    torch.save(dict(chat=[(p + a, len(p)) for p, a in zip(prompts, answers)],
-                    heldout=[(p + a, len(p)) for p, a in zip(heldout, heldout_answers)],
-                    code=[(w, 1) for w in code]), CACHE / "data.pt")
-    print(f"code windows: {len(code)} x {SEQ_LEN} tokens; saved {CACHE / 'data.pt'}")
+    torch.save(dict(chat=chat_seqs, heldout=heldout_seqs, code=[(w, 1) for w in code]), CACHE / "data.pt")
+    print(f"chat: {len(chat_seqs)} answers; code windows: {len(code)} x {SEQ_LEN} tokens; saved {CACHE / 'data.pt'}")
+
+
+def draft_config(target_config, layers: list[int], vocab_size: int):
+    """The target's Llama config with `layers` decoder layers and a `vocab_size`-row lm_head; the
+    input vocabulary (vocab_size in the config) stays the target's, whose embedding the draft uses."""
+    config = target_config.__class__.from_dict(target_config.to_dict())
+    config.num_hidden_layers = len(layers)
+    config.tie_word_embeddings = False
+    config.draft_vocab_size = vocab_size  # rows of lm_head; draft_vocab.safetensors maps them to token ids
+    config.draft_layers_from_target = list(layers)  # provenance of the initialisation
+    config.dtype = "bfloat16"
+    return config
+
+
+def new_draft(target, layers: list[int], token_ids: torch.Tensor):
+    """A draft initialised from the target: its decoder layers `layers` (in order), its final norm,
+    its embedding (frozen; not saved) and an lm_head of its embedding rows `token_ids` (trained)."""
+    from transformers import LlamaForCausalLM
+
+    draft = LlamaForCausalLM(draft_config(target.config, layers, len(token_ids)))
+    draft.lm_head = torch.nn.Linear(target.config.hidden_size, len(token_ids), bias=False)
+    state = {k: v.float() for k, v in target.state_dict().items() if not k.startswith(("model.layers.", "lm_head."))}
+    for i, layer in enumerate(layers):
+        prefix = f"model.layers.{layer}."
+        state.update({f"model.layers.{i}.{k[len(prefix):]}": v.float() for k, v in target.state_dict().items()
+                      if k.startswith(prefix)})
+    state["lm_head.weight"] = state["model.embed_tokens.weight"][token_ids].clone()
+    draft.load_state_dict(state, strict=True)
+    draft.model.embed_tokens.weight.requires_grad = False
+    return draft
+
+
+def save_draft(draft, token_ids: torch.Tensor, out: Path) -> None:
+    """config.json, model.safetensors (bfloat16, without model.embed_tokens), draft_vocab.safetensors
+    (int64 token_ids [V'], ascending) and the target's tokenizer files."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    draft.config.save_pretrained(out)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
+             if k != "model.embed_tokens.weight"}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    save_file({"token_ids": token_ids.to(torch.int64).contiguous()}, out / "draft_vocab.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (TARGET / name).exists():
+            shutil.copy(TARGET / name, out / name)
+
+
+def load_draft(path: Path, target):
+    """The saved draft as a LlamaForCausalLM (float32) with the target's embedding; returns (draft, token_ids)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(path)
+    token_ids = load_file(path / "draft_vocab.safetensors")["token_ids"]
+    draft = LlamaForCausalLM(config)
+    draft.lm_head = torch.nn.Linear(config.hidden_size, len(token_ids), bias=False)
+    state = {k: v.float() for k, v in load_file(path / "model.safetensors").items()}
+    state["model.embed_tokens.weight"] = target.get_input_embeddings().weight.detach().float()
+    draft.load_state_dict(state, strict=True)
+    return draft.eval(), token_ids
+
+
+def padded(sequences: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, T] right-padded, loss mask [B, T]: the positions that predict an answer token)."""
+    length = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), length), pad)
+    mask = torch.zeros(len(sequences), length, dtype=torch.bool)
+    for row, (ids, start) in enumerate(sequences):
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        mask[row, max(start - 1, 0):len(ids) - 1] = True
+    return input_ids, mask
 
 
 @torch.inference_mode()
-def evaluate(target, draft, sequences, batch_size: int = 4, pad: int = 2) -> tuple[float, float]:
-    agree = accept = count = 0.0
-    for i in range(0, len(sequences), batch_size):
-        input_ids, mask = next(batches(sequences[i:i + batch_size], min(batch_size, len(sequences) - i), 0, pad))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            p_logits = target(input_ids).logits.float()
-            q_logits = draft(input_ids).logits.float()
-        m = mask.bool()
-        agree += (p_logits.argmax(-1) == q_logits.argmax(-1))[m].sum().item()
-        p, q = F.softmax(p_logits / 0.7, -1), F.softmax(q_logits / 0.7, -1)
-        accept += torch.minimum(p, q).sum(-1)[m].sum().item()
-        count += m.sum().item()
-    return agree / count, accept / count
+def stage_logits(args) -> None:
+    """The target's outputs on every training sequence, once (bfloat16 autocast): at each position the
+    top-`--top-k` log-probabilities (T = 1) with their token ids and the final (normed) hidden state."""
+    tok, target = load_target(torch.float32)
+    data = torch.load(CACHE / "data.pt")
+    cache, start = {}, time.monotonic()
+    for split in ("chat", "code"):
+        seqs = [(ids[:SEQ_LEN], s) for ids, s in data[split]]
+        out: list[dict | None] = [None] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+        for b in range(0, len(order), args.batch_size):
+            rows = order[b:b + args.batch_size]
+            input_ids, _ = padded([seqs[i] for i in rows], tok.pad_token_id)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                hidden = target.model(input_ids).last_hidden_state
+                logp = F.log_softmax(target.lm_head(hidden).float(), -1)
+            top = logp.topk(args.top_k, -1)
+            for r, i in enumerate(rows):
+                n = len(seqs[i][0])
+                out[i] = dict(ids=top.indices[r, :n].int(), logp=top.values[r, :n].half(),
+                              hidden=hidden[r, :n].to(torch.bfloat16))
+        cache[split] = out
+        print(f"teacher outputs, {split}: {sum(len(s[0]) for s in seqs)} positions, "
+              f"{(time.monotonic() - start) / 60:.1f} min", flush=True)
+    torch.save(cache, CACHE / "teacher.pt")
+    print(f"saved {CACHE / 'teacher.pt'}")
+
+
+def select_vocab(data: dict, teacher: dict, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent tokens (ascending ids) among the training answers' tokens, the code
+    windows' tokens and the teacher's argmax at every loss position (FR-Spec, 2025)."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for split in ("chat", "code"):
+        for (ids, start), t in zip(data[split], teacher[split]):
+            ids = ids[:SEQ_LEN]
+            counts += torch.bincount(torch.tensor(ids[max(start, 1):]), minlength=vocab_size)
+            counts += torch.bincount(t["ids"][max(start - 1, 0):len(ids) - 1, 0].long(), minlength=vocab_size)
+    if size >= vocab_size:
+        return torch.arange(vocab_size)
+    return counts.topk(size).indices.sort().values
+
+
+class HeldOut:
+    """The held-out sequences with the float32 target's distributions at T = 0.7 at their loss positions."""
+
+    def __init__(self, target, sequences, pad: int, temperature: float = 0.7):
+        self.items = []
+        with torch.inference_mode():
+            for ids, start in sequences:
+                input_ids, mask = padded([(ids, start)], pad)
+                logits = target(input_ids).logits.float()[mask]
+                self.items.append((input_ids, mask, logits.argmax(-1), F.softmax(logits / temperature, -1).half()))
+        self.temperature = temperature
+
+    @torch.inference_mode()
+    def evaluate(self, draft, token_ids: torch.Tensor, subset: slice = slice(None)) -> tuple[float, float]:
+        """(greedy agreement, expected acceptance sum_x min(p, q)) with q zero outside token_ids."""
+        agree = accept = count = 0.0
+        for input_ids, mask, p_argmax, p in self.items[subset]:
+            q_logits = draft(input_ids).logits.float()[mask]
+            agree += (token_ids[q_logits.argmax(-1)] == p_argmax).sum().item()
+            q = F.softmax(q_logits / self.temperature, -1)
+            accept += torch.minimum(p[:, token_ids].float(), q).sum().item()
+            count += len(p_argmax)
+        return agree / count, accept / count
+
+    def report(self, draft, token_ids: torch.Tensor, label: str) -> dict:
+        half = len(self.items) // 2  # HELDOUT = HELDOUT_CHAT + HELDOUT_CODE
+        result = dict(all=self.evaluate(draft, token_ids), chat=self.evaluate(draft, token_ids, slice(0, half)),
+                      code=self.evaluate(draft, token_ids, slice(half, None)))
+        print(f"held-out {label}: " + ", ".join(f"{k} agreement {a:.3f} acceptance {c:.3f}"
+                                                for k, (a, c) in result.items()), flush=True)
+        return result
+
+
+def train_batches(data: dict, teacher: dict, batch_size: int, seed: int, pad: int):
+    """Endless shuffled batches of similar lengths: (input_ids, mask, top ids, top logp, hidden)."""
+    items = [((ids[:SEQ_LEN], s), t) for split in ("chat", "code") for (ids, s), t in zip(data[split], teacher[split])]
+    rng = random.Random(seed)
+    while True:
+        rng.shuffle(items)
+        chunks = [sorted(items[i:i + batch_size * 16], key=lambda x: len(x[0][0]))
+                  for i in range(0, len(items), batch_size * 16)]
+        batches_ = [c[j:j + batch_size] for c in chunks for j in range(0, len(c), batch_size)]
+        rng.shuffle(batches_)
+        for chunk in batches_:
+            input_ids, mask = padded([s for s, _ in chunk], pad)
+            length = input_ids.shape[1]
+            k, h = chunk[0][1]["ids"].shape[1], chunk[0][1]["hidden"].shape[1]
+            top_ids = torch.zeros(len(chunk), length, k, dtype=torch.long)
+            top_logp = torch.full((len(chunk), length, k), -1e4)
+            hidden = torch.zeros(len(chunk), length, h)
+            for row, (_, t) in enumerate(chunk):
+                n = len(t["ids"])
+                top_ids[row, :n], top_logp[row, :n], hidden[row, :n] = t["ids"], t["logp"].float(), t["hidden"].float()
+            yield input_ids, mask, top_ids, top_logp, hidden
+
+
+def distil_loss(logits, hidden_d, mask, top_ids, top_logp, hidden_t, index, hard: float, feature: float):
+    """Soft CE to the teacher's top-k restricted to the draft vocabulary (renormalised), plus `hard` x CE
+    on the teacher's argmax where it is in the vocabulary, plus `feature` x smooth-L1 to the teacher's
+    final hidden state. index: [vocab] target id -> draft row, -1 outside."""
+    q_log = F.log_softmax(logits.float(), -1)[mask]  # [N, V']
+    rows = index[top_ids[mask]]  # [N, k]
+    inside = rows >= 0
+    p = torch.where(inside, top_logp[mask].exp(), torch.zeros(()))
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-8)
+    q_top = q_log.gather(-1, rows.clamp(min=0))
+    soft = -(p * q_top).sum(-1).mean()
+    hard_ok = inside[:, 0]
+    hard_ce = -(q_top[:, 0] * hard_ok).sum() / hard_ok.sum().clamp(min=1)
+    feat = F.smooth_l1_loss(hidden_d.float()[mask], hidden_t[mask])
+    return soft + hard * hard_ce + feature * feat, (soft.item(), hard_ce.item(), feat.item())
 
 
 def stage_train(args) -> None:
     torch.manual_seed(args.seed)
-    tok, target = load_target(torch.bfloat16)
-    data = torch.load(CACHE / "data.pt")
-    draft = new_draft(target, args.layers)
+    tok, target = load_target(torch.float32)
+    data, teacher = torch.load(CACHE / "data.pt"), torch.load(CACHE / "teacher.pt")
+    layers = [int(x) for x in args.layers.split(",")]
+    vocab = target.config.vocab_size
+    token_ids = select_vocab(data, teacher, args.draft_vocab, vocab)
+    index = torch.full((vocab,), -1, dtype=torch.long)
+    index[token_ids] = torch.arange(len(token_ids))
+    heldout = HeldOut(target, data["heldout"], tok.pad_token_id)
+    coverage = sum((index[a] >= 0).sum().item() for _, _, a, _ in heldout.items) / sum(len(a) for _, _, a, _ in heldout.items)
+    print(f"draft vocabulary {len(token_ids)}: covers {coverage:.3f} of the held-out target argmaxes")
+    draft = new_draft(target, layers, token_ids)
     trainable = [p for p in draft.parameters() if p.requires_grad]
-    print(f"draft: {args.layers} layers, {sum(p.numel() for p in trainable) / 1e6:.2f}M trained parameters")
-    sequences = data["chat"] + data["code"]
-    opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
-    source = batches(sequences, args.batch_size, args.seed, tok.pad_token_id)
-    before = evaluate(target, draft, data["heldout"])
-    print(f"held-out before training: greedy agreement {before[0]:.3f}, acceptance at T=0.7 {before[1]:.3f}")
+    print(f"draft: layers {layers} of the target, {sum(p.numel() for p in trainable) / 1e6:.2f}M trained parameters")
+    heldout.report(draft.eval(), token_ids, "before training")
+    head = [draft.lm_head.weight]
+    body = [p for p in trainable if p is not draft.lm_head.weight]
+    opt = torch.optim.AdamW([dict(params=body), dict(params=head)], lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    source = train_batches(data, teacher, args.batch_size, args.seed, tok.pad_token_id)
+    draft.train()
     start, step, tokens = time.monotonic(), 0, 0
     deadline = start + args.minutes * 60
     while time.monotonic() < deadline:
-        input_ids, mask = next(source)
+        input_ids, mask, top_ids, top_logp, hidden_t = next(source)
         progress = (time.monotonic() - start) / (deadline - start)
-        for group in opt.param_groups:
-            group["lr"] = args.lr * min(1.0, progress * 20) * 0.5 * (1 + math.cos(math.pi * progress))
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            teacher_logits = target(input_ids).logits
+        lr = args.lr * min(1.0, progress * 20) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+        opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = lr, lr * args.head_lr_scale
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            draft_logits = draft(input_ids).logits
-        loss = kl_loss(teacher_logits, draft_logits, mask)
+            hidden_d = draft.model(input_ids).last_hidden_state
+            logits = draft.lm_head(hidden_d)
+        loss, parts = distil_loss(logits, hidden_d, mask, top_ids, top_logp, hidden_t, index, args.hard, args.feature)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         step += 1
         tokens += int(mask.sum())
-        if step % 20 == 0:
+        if step % 50 == 0:
             elapsed = time.monotonic() - start
-            print(f"step {step}: KL {loss.item():.3f}, {tokens / elapsed:.0f} trained tok/s, {elapsed / 60:.1f} min",
-                  flush=True)
-    after = evaluate(target, draft, data["heldout"])
-    print(f"held-out after {step} steps ({tokens} tokens): greedy agreement {after[0]:.3f}, "
-          f"acceptance at T=0.7 {after[1]:.3f}")
-    out = CACHE / "draft"
-    draft.to(torch.bfloat16).save_pretrained(out)
-    tok.save_pretrained(out)
-    print(f"saved {out}")
+            print(f"step {step}: soft CE {parts[0]:.3f}, hard CE {parts[1]:.3f}, feature {parts[2]:.4f}, "
+                  f"{tokens / elapsed:.0f} trained tok/s, {elapsed / 60:.1f} min", flush=True)
+        if args.eval_every and step % args.eval_every == 0:
+            heldout.report(draft.eval(), token_ids, f"step {step}")
+            draft.train()
+    print(f"trained {step} steps, {tokens} tokens, {(time.monotonic() - start) / 60:.1f} min")
+    out = Path(args.out) if args.out else CACHE / "draft"
+    save_draft(draft, token_ids, out)
+    reloaded, _ = load_draft(out, target)  # the saved bfloat16 weights, as the engine would load them
+    result = heldout.report(reloaded, token_ids, f"after training (saved weights, {out})")
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"saved {out}: {size / 2**20:.1f} MiB of safetensors")
+    (out / "train_result.json").write_text(__import__("json").dumps(
+        dict(args=vars(args), steps=step, tokens=tokens, heldout=result, vocab_coverage=coverage), indent=1))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", default="teacher")
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", default="0,1", help="target layers that initialise the draft's, in order")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="rows of the draft's lm_head (V')")
     ap.add_argument("--minutes", type=float, default=30.0)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--head-lr-scale", type=float, default=0.3)
+    ap.add_argument("--hard", type=float, default=0.5, help="weight of CE on the teacher's argmax")
+    ap.add_argument("--feature", type=float, default=1.0, help="weight of smooth-L1 to the teacher's final hidden")
+    ap.add_argument("--top-k", type=int, default=32)
+    ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--out", default="", help="where train saves the draft (default .cache/default_draft/draft)")
     ap.add_argument("--num-chat", type=int, default=680)
-    ap.add_argument("--num-code-windows", type=int, default=400)
+    ap.add_argument("--num-code-windows", type=int, default=800)
     ap.add_argument("--max-answer-tokens", type=int, default=160)
     ap.add_argument("--teacher-dtype", default="bfloat16")
     ap.add_argument("--teacher-batch", type=int, default=32)
@@ -230,7 +412,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    stages = dict(teacher=stage_teacher, data=stage_data, train=stage_train)
+    stages = dict(teacher=stage_teacher, data=stage_data, logits=stage_logits, train=stage_train)
     for name in args.stage.split(","):
         stages[name](args)
 

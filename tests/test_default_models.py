@@ -200,23 +200,26 @@ def test_greedy_continuation_of_def_is_new_text(tokenizers, models, name):
 
 @needs_default_model
 def test_speculation_with_a_draft_of_its_own_layers_stays_greedy_identical(smol, smol_tokenizer, tmp_path):
-    """A draft as scripts/train_default_draft.py starts one (the target's first two layers, its
-    tied embeddings): the engine loads it beside the real target, and greedy output with
-    speculation equals greedy output without."""
+    """A draft as scripts/train_default_draft.py starts and saves one (the target's first two
+    layers, an lm_head over every third token id, no embeddings of its own): the engine loads it
+    beside the real target, reading the target's embeddings, and greedy output with speculation
+    equals greedy output without."""
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.sampling_params import SamplingParams
-    from scripts.train_default_draft import new_draft
+    from scripts.train_default_draft import new_draft, save_draft
 
-    draft = new_draft(smol, num_layers=2)
-    assert draft.config.vocab_size == smol.config.vocab_size
-    draft.save_pretrained(tmp_path / "draft")
-    smol_tokenizer.save_pretrained(tmp_path / "draft")
+    token_ids = torch.arange(0, smol.config.vocab_size, 3)
+    save_draft(new_draft(smol, [0, 1], token_ids), token_ids, tmp_path / "draft")
     prompts = [chat_ids(smol_tokenizer, m) for m in CHAT_PROMPTS[:2]]
     outputs = []
     for knobs in ({}, dict(speculative_method="draft", draft_model=str(tmp_path / "draft"),
                            num_speculative_tokens=3, adaptive_speculation=False)):
         engine = LLMEngine(EngineConfig(model=str(DEFAULT_OUT), num_threads=os.cpu_count() or 1, **knobs))
+        if engine.draft_model is not None:
+            assert engine.draft_model.vocab_token_ids.tolist() == token_ids.tolist()
+            assert engine.draft_model.model.embed_tokens.weight.data_ptr() == \
+                engine.model.model.embed_tokens.weight.data_ptr()
         ids = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
                for p in prompts]
         tokens: dict[str, list[int]] = {}
