@@ -362,9 +362,10 @@ class LLMEngine:
                 continue
             error = step.meta.errors.get(request.request_id)
             new = [t for t in row_tokens if t != PLACEHOLDER_TOKEN] if error is None else []
-            request.landed(k, len(new) - 1 if error is None else k)
+            num_accepted = len(new) - 1 if error is None else k  # a failed row rolls nothing back
+            request.landed(k, num_accepted)
             if k and error is None:
-                self.speculator.record(request, k, len(new) - 1)
+                self.speculator.record(request, k, num_accepted)
             entries = [self.output_processor.logprob_entry(logprobs.get(row), token, request.params.logprobs)
                        for row, token in zip(rows, new)]
             # trim: no block stays for rejected positions, unless a step launched since holds them
