@@ -174,8 +174,9 @@ class LLMEngine:
         self.overlap = config.async_scheduling if config.async_scheduling is not None else (
             self.device.type == "cuda" and proposer is None and config.pipeline_parallel_size == 1)
         adaptive = config.adaptive_speculation and config.pipeline_parallel_size == 1
+        self.requests: dict[str, Request] = {}  # request id -> everything about it, until its last output
         self.speculator = Speculator(proposer, config.num_speculative_tokens, adaptive, self.device,
-                                     draft_budget=config.max_num_batched_tokens)
+                                     draft_budget=config.max_num_batched_tokens, live=self.requests)
         pipelined = config.pipeline_parallel_size > 1
         # steps in flight before the oldest is read back: 1 plain, 2 overlapped, the pipeline's batches
         self.depth = config.max_batches_in_flight if pipelined else 1 + self.overlap
@@ -189,7 +190,6 @@ class LLMEngine:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, *verify))
             if proposer is not None and proposer.runner is not None:
                 proposer.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, 2))
-        self.requests: dict[str, Request] = {}  # request id -> everything about it, until its last output
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.block_manager, self.requests,
                                                 self.max_model_len)
         self._ids = itertools.count()
@@ -365,7 +365,7 @@ class LLMEngine:
             num_accepted = len(new) - 1 if error is None else k  # a failed row rolls nothing back
             request.landed(k, num_accepted)
             if k and error is None:
-                self.speculator.record(request, k, num_accepted)
+                self.speculator.record(step.spec, request, k, num_accepted)
             entries = [self.output_processor.logprob_entry(logprobs.get(row), token, request.params.logprobs)
                        for row, token in zip(rows, new)]
             # trim: no block stays for rejected positions, unless a step launched since holds them

@@ -60,7 +60,7 @@ def run(engine: LLMEngine, prompts, max_tokens: int, temperature: float, batch_s
 
 
 def measure_c(engine: LLMEngine) -> float:
-    tc, dc = engine.speculator.policy.controller.target_cost, engine.speculator.policy.controller.draft_cost
+    tc, dc = engine.speculator.control.target_cost, engine.speculator.control.draft_cost
     return dc(1) / tc(1) if tc.ready and dc.ready else float("nan")
 
 

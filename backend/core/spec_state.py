@@ -1,11 +1,11 @@
-"""A request's speculative decoding, as data: the drafts proposed for it, its acceptance counts
-and the draft's progress through it. The speculator (backend/spec/) reads and writes it; it sits
-with the request so that the scheduler and the step inputs can see the drafts to verify."""
+"""A request's speculative decoding, as data: the drafts proposed for it, the draft's progress
+through it and its totals. The speculator (backend/spec/) writes it; it sits with the request so
+that the scheduler and the step inputs can see the drafts to verify. What the speculation control
+learns about a request (its acceptance counts) is the control's (backend/spec/spec_control.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from backend.host_copy import HostCopy
@@ -26,39 +26,10 @@ class Proposal:
         return self.token_ids
 
 
-class Survival:
-    """Decayed counts, per draft position i: verifications that drafted it, and how many of
-    those accepted every token up to and including it."""
-
-    def __init__(self, max_k: int):
-        self.reached = np.zeros(max_k)
-        self.survived = np.zeros(max_k)
-
-    def add(self, num_draft: int, num_accepted: int, decay: float) -> None:
-        self.reached *= decay
-        self.survived *= decay
-        self.reached[:num_draft] += 1
-        self.survived[:num_accepted] += 1
-
-    def curve(self, prior_count: float, prior: float) -> np.ndarray:
-        """s_1..s_max_k: the counts shrunk toward a prior, never rising with i. Position 1's prior
-        is `prior` and each later position's continues the previous conditional rate
-        s_i / s_(i-1): a position rarely drafted is judged by the ones before it, not by a
-        constant that would keep it from ever being drafted."""
-        s = np.empty_like(self.reached)
-        previous, conditional = 1.0, prior
-        for i in range(len(s)):
-            guess = previous * conditional
-            s[i] = min((self.survived[i] + prior_count * guess) / (self.reached[i] + prior_count), previous)
-            conditional = s[i] / previous if previous > 0 else 0.0
-            previous = s[i]
-        return s
-
-
 @dataclass(slots=True)
 class SpecState:
     """A request's speculative decoding, kept by the speculator; reset when it is preempted (its
-    draft KV goes with its blocks), counters and measurements kept."""
+    draft KV goes with its blocks), totals kept."""
     # draft tokens to verify this step; None while they are on the device only (`proposal`)
     draft_token_ids: list[int] | None = field(default_factory=list)
     proposal: Proposal | None = None  # the draft model's, as proposed (tokens on the device too)
@@ -66,8 +37,6 @@ class SpecState:
     num_computed_tokens: int = 0  # tokens whose K/V are in the draft model's pool
     num_draft_tokens: int = 0  # drafted so far
     num_accepted_tokens: int = 0  # of those, accepted
-    survival: Survival | None = None  # its own acceptance counts, once it has verified drafts
-    expected_yield: np.ndarray | None = None  # E(0..max_k) as this step's plan expects it
 
     @property
     def drafted_ahead(self) -> bool:

@@ -1,10 +1,12 @@
 """Speculative decoding around the scheduler: reserve room, propose, record verifications.
 
-Per step, before scheduling, `reserve` asks the policy (spec_policy.py) for k per decoding
-request and the scheduler for room for that many draft tokens (`request.spec.num_lookahead_tokens`).
+Per step, before scheduling, `reserve` asks the speculation control (spec_control.py) for k per
+decoding request and the scheduler for room for that many draft tokens
+(`request.spec.num_lookahead_tokens`).
 After scheduling, `propose` trims each reservation to what the token budget granted and asks the
 proposer for the drafts. The target verifies them in the same forward as every other request's
-tokens, the sampler accepts a prefix, and the engine calls `record`.
+tokens, the sampler accepts a prefix, and the engine calls `record`. What control learns about a
+request (its acceptance counts) stays in the control, by request id, until the request is gone.
 
 The cost model is fed after each step's read-back (`finish_step`), from spans the step timed on the
 device's clock (step_timer.py: events on CUDA, no wait of their own): each draft forward, the
@@ -18,34 +20,39 @@ not speculate until it has caught up, in chunks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Container
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from backend.core.request import Request
 from backend.core.scheduler import ScheduledBatch
 from backend.model.step_inputs import PendingTokens
 from backend.spec.proposer import Proposer
-from backend.spec.spec_policy import SpeculationPolicy
+from backend.spec.spec_control import SpecControl
 from backend.step_timer import Mark, StepTimer
 
 
 @dataclass(slots=True)
 class SpecStep:
-    """One step's measurements, kept with the step until its tokens are back."""
+    """One step's plan and measurements, kept with the step until its tokens are back."""
     timer: StepTimer
     started: Mark
-    catching_up: bool = False  # its drafts read far more than the last step's tokens ...
-    catch_up_seconds: float = 0.0  # ... and what that cost beyond a usual first draft forward
+    expected: dict[str, np.ndarray] = field(default_factory=dict)  # request id -> E(0..max_k), as planned
+    yield_correction: float = 0.0  # its verifications' expected minus realized yields
+    catch_up_seconds: float | None = None  # its drafts caught up on what they missed: the cost of that
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer | None, max_k: int, adaptive: bool, device: torch.device, draft_budget: int):
+    def __init__(self, proposer: Proposer | None, max_k: int, adaptive: bool, device: torch.device, draft_budget: int,
+                 live: Container[str] | None = None):
         self.proposer = proposer
         self.draft_budget = draft_budget  # tokens a step's first draft forward may read
         self.wants_drafts = False  # this step's plan gave some request k > 0: the draft reads
         # prompt chunks and the backlog of requests left behind alongside (within the budget)
-        self.policy = SpeculationPolicy(max_k, adaptive, free_drafts=proposer is not None and proposer.runner is None)
+        self.control = SpecControl(max_k, adaptive, free_drafts=proposer is not None and proposer.runner is None)
+        self.live = live  # ids of the requests the engine still has (None: keep every request's counts)
         self.device = device
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -74,42 +81,41 @@ class Speculator:
             step.timer.span("target", (batch.total_tokens,), started)
 
     def end_step(self, step: SpecStep, batch: ScheduledBatch, lookahead: list[int]) -> None:
-        """The step is sampled (on the device): time it whole, if it was decode-only, and keep what
-        this step's plan said about catching up."""
+        """The step is sampled (on the device): time it whole, if it was decode-only."""
         if self.decode_only(batch, lookahead):
             step.timer.span("step", (any(lookahead), len(batch.requests)), step.started)
-        step.catching_up, step.catch_up_seconds = self.policy.catching_up, self.policy.catch_up_seconds
 
     def finish_step(self, step: SpecStep, num_new_tokens: int) -> None:
         """The step's tokens are on the host (and its verifications recorded): feed its spans."""
         for span in step.timer.spans:
             seconds = StepTimer.seconds(span)
             if span.kind == "draft":
-                self.policy.observe_draft_forward(*span.sizes, seconds)
+                self.control.observe_draft_forward(*span.sizes, seconds)
             elif span.kind == "target":
-                self.policy.observe_target_forward(*span.sizes, seconds)
+                self.control.observe_target_forward(*span.sizes, seconds)
             else:
                 speculating, num_requests = span.sizes
-                self.policy.observe_step(bool(speculating), num_requests, num_new_tokens, seconds,
-                                         step.catching_up, step.catch_up_seconds)
+                self.control.observe_step(bool(speculating), num_requests, num_new_tokens + step.yield_correction,
+                                          seconds, step.catch_up_seconds)
 
     def reserve(self, running: list[Request], max_model_len: int) -> None:
-        """Choose k per decoding request and reserve room for its draft tokens."""
-        for r in running:  # expected yields are this step's plan's
-            r.spec.expected_yield = None
+        """Choose k per decoding request and reserve room for its draft tokens (the plan's expected
+        yields go with the step being built, `begin_step`)."""
         self.wants_drafts = False
         if self.proposer is None:
             return
+        if self.live is not None and len(self.control.survival) > len(self.live):
+            self.control.forget_all_but(self.live)  # so at most as many stale counts as live requests
         # decoding: everything computed but the last token (known, or still on the device)
         candidates = [r for r in running
                       if r.params.speculative and r.num_computed_tokens == r.num_tokens + r.num_pending_tokens - 1]
         budget = self.draft_budget
-        for r, k in zip(candidates, self.policy.plan(candidates, len(running))):
+        ks, expected = self.control.plan(candidates, len(running))
+        for i, (r, k) in enumerate(zip(candidates, ks)):
             # never verify past max_tokens or the context (tokens on the device counted as landed)
             num_tokens = r.num_tokens + r.num_pending_tokens
             k = min(k, r.params.max_tokens - r.num_output_tokens - r.num_pending_tokens - 1, max_model_len - num_tokens)
             if k <= 0:
-                r.spec.expected_yield = None
                 continue
             self.wants_drafts = True
             k = self.proposer.num_available(r, k)
@@ -119,6 +125,8 @@ class Speculator:
                     continue
                 budget -= behind
             r.spec.num_lookahead_tokens = k
+            if expected is not None and self.current is not None:
+                self.current.expected[r.request_id] = expected[i]
 
     def propose(self, batch: ScheduledBatch, running: list[Request],
                 pending: PendingTokens | None = None) -> dict[str, torch.Tensor | None]:
@@ -148,7 +156,8 @@ class Speculator:
             # a draft that sat out steps (or is new) first reads what it missed; when that dominates
             # the step, its cost beyond a usual first forward is estimated for the mode chooser
             behind += sum(end - r.spec.num_computed_tokens for r, end in catch_up)
-            self.policy.observe_catch_up(behind, usual=sum(k + 1 for k in ks))
+            if self.current is not None:
+                self.current.catch_up_seconds = self.control.catch_up_seconds(behind, usual=sum(k + 1 for k in ks))
         if not to_draft and not catch_up:
             return {}
         probs = {}
@@ -177,8 +186,14 @@ class Speculator:
             budget -= end - start
         return rows
 
-    def record(self, request: Request, k: int, num_accepted: int) -> None:
-        self.policy.observe_verification(request, k, num_accepted)
+    def record(self, step: SpecStep, request: Request, k: int, num_accepted: int) -> None:
+        """A verification of the step came back: k drafts, the first num_accepted kept."""
+        expected = step.expected.pop(request.request_id, None)
+        if expected is not None:  # the mode chooser counts a verification by what it was expected to yield
+            step.yield_correction += expected[k] - (num_accepted + 1)
+        self.control.observe_verification(request.request_id, k, num_accepted)
+        request.spec.num_draft_tokens += k
+        request.spec.num_accepted_tokens += num_accepted
         self.num_draft_tokens += k
         self.num_accepted_tokens += num_accepted
         for i in range(k):

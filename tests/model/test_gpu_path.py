@@ -74,18 +74,20 @@ def test_adaptive_k_changes_k_with_overlapped_steps(tiny_llama, bad_draft):
     speculation off), where before overlapped steps kept k fixed at num_speculative_tokens."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), speculative_method="draft", draft_model=str(bad_draft),
                                     num_speculative_tokens=4, async_scheduling=True))
-    assert engine.overlap and engine.speculator.policy.adaptive
-    plan, ks = engine.speculator.policy.controller.plan, []
+    control = engine.speculator.control
+    assert engine.overlap and control.adaptive
+    plan, ks = control.plan, []
 
-    def recorded_plan(requests):
-        ks.extend(plan(requests))
-        return ks[-len(requests):]
+    def recorded_plan(candidates, num_running):
+        planned = plan(candidates, num_running)
+        ks.extend(planned[0])
+        return planned
 
-    engine.speculator.policy.controller.plan = recorded_plan
+    control.plan = recorded_plan
     _decode(engine, [[5 + i, 6, 7, 8] for i in range(4)], SamplingParams(max_tokens=60, temperature=0.0,
                                                                         ignore_eos=True))
     assert 0 < ks[0] and ks[-1] == 0  # k came down (fixed, it would stay 4) ...
-    assert engine.speculator.policy.controller.target_cost.ready  # ... from costs measured after read-backs
+    assert control.target_cost.ready  # ... from costs measured after read-backs
 
 
 def test_the_engine_thread_binds_its_device(tiny_llama, monkeypatch):

@@ -103,11 +103,11 @@ def test_abort_while_a_token_is_in_flight():
 def test_speculating_engines_overlap_steps_only_when_asked():
     engine = LLMEngine(EngineConfig(model=str(TARGET), speculative_method="ngram", num_kv_blocks=16))
     assert not engine.overlap  # the default (None) leaves speculating engines on plain steps
-    assert engine.speculator.policy.adaptive
+    assert engine.speculator.control.adaptive
     engine = LLMEngine(EngineConfig(model=str(TARGET), speculative_method="ngram", num_kv_blocks=16,
                                     async_scheduling=True))
     assert engine.overlap
-    assert engine.speculator.policy.adaptive  # each step is timed on the device's clock, read after its read-back
+    assert engine.speculator.control.adaptive  # each step is timed on the device's clock, read after its read-back
 
 
 def test_request_done_by_length_is_not_scheduled_again():

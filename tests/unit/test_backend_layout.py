@@ -4,7 +4,7 @@ included), so that none of them sits in an import circle:
     process   the engine core in its own process, its client, their messages
     engine    engine.py and engine_loop.py (the step, the thread that drives it)
     parallel  the ranks: handshake, wire format, workers, other nodes
-    spec      speculative decoding: speculator, proposers, policy
+    spec      speculative decoding: speculator, proposers, control
     model     the model, its loader and runner, the step inputs
     sample    sampling and verification on the device
     core      requests, scheduler, KV blocks, output processing

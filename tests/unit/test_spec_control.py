@@ -4,29 +4,40 @@ import pytest
 
 from backend.core.request import Request
 from backend.sampling_params import SamplingParams
-from backend.core.spec_state import Survival
-from backend.spec.spec_controller import SpecController
-from backend.spec.mode_chooser import EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, SWITCH_BUDGET, WARMUP_SAMPLES, ModeChooser
+from backend.spec.spec_control import (
+    EXPLORE_BUDGET,
+    EXPLORE_EVERY,
+    MAX_EXPLORE_EVERY,
+    MEASURE_STEPS,
+    REQUEST_MEMORY,
+    LinearCost,
+    ModeChooser,
+    SpecControl,
+    Survival,
+)
 
 
-def _own_survival(c: SpecController, r: Request) -> Survival:
-    r.spec.survival = r.spec.survival or Survival(c.max_k)
-    return r.spec.survival
+def _own_survival(c: SpecControl, rid: str) -> Survival:
+    return c.survival.setdefault(rid, Survival(c.max_k, REQUEST_MEMORY))
 
 
-def _requests(c: SpecController, n: int, a: float, verifications: int = 200) -> list[Request]:
+def _requests(c: SpecControl, n: int, a: float, verifications: int = 200) -> list[str]:
     """n requests whose every verification so far accepted each draft token with rate a, counted
     in expectation (survival a^i), the batch's curve the same."""
-    reqs = [Request(str(i), [1], SamplingParams()) for i in range(n)]
+    ids = [str(i) for i in range(n)]
     curve = a ** np.arange(1, c.max_k + 1)
-    for survival in [c.batch_survival] + [_own_survival(c, r) for r in reqs]:
+    for survival in [c.batch_survival] + [_own_survival(c, rid) for rid in ids]:
         survival.reached[:] = verifications
         survival.survived[:] = verifications * curve
-    return reqs
+    return ids
+
+
+def _ks(c: SpecControl, ids: list[str]) -> list[int]:
+    return c.choose_k(ids)[0]
 
 
 def _controller(target_t0, target_t1, draft_t0):
-    c = SpecController(max_k=4)
+    c = SpecControl(max_k=4)
     for n in (1, 64, 128):
         c.target_cost.add(n, target_t0 + target_t1 * n)
         c.draft_first_cost.add(n, draft_t0)
@@ -36,54 +47,52 @@ def _controller(target_t0, target_t1, draft_t0):
 
 def test_good_draft_on_a_memory_bound_target_speculates():
     c = _controller(target_t0=0.010, target_t1=0.0, draft_t0=0.001)
-    assert c.plan(_requests(c, 1, 0.8)) == [4]
+    assert _ks(c, _requests(c, 1, 0.8)) == [4]
 
 
 def test_compute_bound_target_at_large_batch_turns_speculation_off():
     # every extra token costs as much as a request's whole decode: verification cannot pay
     c = _controller(target_t0=0.0, target_t1=0.001, draft_t0=0.002)
-    assert c.plan(_requests(c, 64, 0.5)) == [0] * 64
+    assert _ks(c, _requests(c, 64, 0.5)) == [0] * 64
 
 
 def test_poor_acceptance_turns_speculation_off():
     c = _controller(target_t0=0.010, target_t1=0.0, draft_t0=0.004)
-    assert c.plan(_requests(c, 4, 0.05)) == [0] * 4
+    assert _ks(c, _requests(c, 4, 0.05)) == [0] * 4
 
 
 def test_free_drafts_need_only_the_target_cost():
     """An n-gram proposer costs nothing to run: its plans come from the target's costs alone."""
-    c = SpecController(max_k=4, free_drafts=True)
+    c = SpecControl(max_k=4, free_drafts=True)
     for n in (1, 5):
         c.target_cost.add(n, 0.010)  # verification is free on this target
-    (r,) = _requests(c, 1, 0.3)
-    assert c.plan([r]) == [4]
-    busy = SpecController(max_k=4, free_drafts=True)
+    assert _ks(c, _requests(c, 1, 0.3)) == [4]
+    busy = SpecControl(max_k=4, free_drafts=True)
     for n in (64, 320):
         busy.target_cost.add(n, n * 0.001)  # every verified token costs a decode's share
-    assert busy.plan(_requests(busy, 64, 0.3)) == [0] * 64
+    assert _ks(busy, _requests(busy, 64, 0.3)) == [0] * 64
 
 
 def test_expected_tokens_follow_the_measured_survival_not_a_geometric_guess():
     """Accepting the first token makes the next likelier: the curve says so, one rate cannot."""
-    c = SpecController(max_k=4)
-    (r,) = _requests(c, 1, 0.5)
-    own = r.spec.survival
+    c = SpecControl(max_k=4)
+    (rid,) = _requests(c, 1, 0.5)
+    own = c.survival[rid]
     own.reached[:], own.survived[:] = 1000, [600, 500, 450, 420]
-    assert c.expected_tokens_batch([r])[0] == pytest.approx([1, 1.6, 2.1, 2.55, 2.97], abs=0.01)
+    assert c.expected_yields([rid])[0] == pytest.approx([1, 1.6, 2.1, 2.55, 2.97], abs=0.01)
 
 
 def test_a_new_request_starts_from_the_batch_curve():
-    c = SpecController(max_k=3)
-    _requests(c, 2, 0.9)
-    newcomer = Request("new", [1], SamplingParams())
-    assert c.expected_tokens_batch([newcomer])[0] == pytest.approx(1 + np.cumsum([1, 0.9, 0.9**2, 0.9**3]) - 1, abs=0.01)
+    c = SpecControl(max_k=3)
+    _requests(c, 2, 0.9, verifications=400)
+    assert c.expected_yields(["new"])[0] == pytest.approx(1 + np.cumsum([1, 0.9, 0.9**2, 0.9**3]) - 1, abs=0.01)
 
 
 def test_a_costly_first_draft_forward_favours_longer_drafts():
     """The first draft forward of a step carries a fixed cost (catch-up, set-up); spreading it
     over more draft tokens pays, which one per-forward average cannot see."""
     def controller(first, further):
-        c = SpecController(max_k=4)
+        c = SpecControl(max_k=4)
         for n in (1, 8):
             c.target_cost.add(n, 0.010)
             c.draft_first_cost.add(n, first)
@@ -91,29 +100,28 @@ def test_a_costly_first_draft_forward_favours_longer_drafts():
         return c
 
     even, front_loaded = controller(0.003, 0.003), controller(0.006, 0.001)
-    assert even.plan(_requests(even, 1, 0.6)) == [1]
-    assert front_loaded.plan(_requests(front_loaded, 1, 0.6)) == [4]
+    assert _ks(even, _requests(even, 1, 0.6)) == [1]
+    assert _ks(front_loaded, _requests(front_loaded, 1, 0.6)) == [4]
 
 
 def test_survival_counts_verifications_in_the_batch_and_the_request():
-    c = SpecController(max_k=3)
-    r = Request("r", [1], SamplingParams())
-    c.observe(r, 3, 1)  # first accepted, second rejected
-    c.observe(r, 2, 2)  # both accepted
+    c = SpecControl(max_k=3)
+    c.observe_verification("r", 3, 1)  # first accepted, second rejected
+    c.observe_verification("r", 2, 2)  # both accepted
     assert c.batch_survival.reached.tolist() == pytest.approx([0.99 + 1, 0.99 + 1, 0.99])
     assert c.batch_survival.survived.tolist() == pytest.approx([0.99 + 1, 1, 0])
-    assert (r.spec.num_draft_tokens, r.spec.num_accepted_tokens) == (5, 3)
-    assert r.spec.survival.reached.tolist() == pytest.approx([0.95 + 1, 0.95 + 1, 0.95])
-    assert r.spec.survival.survived.tolist() == pytest.approx([0.95 + 1, 1, 0])
+    assert c.survival["r"].reached.tolist() == pytest.approx([0.95 + 1, 0.95 + 1, 0.95])
+    assert c.survival["r"].survived.tolist() == pytest.approx([0.95 + 1, 1, 0])
+    c.forget_all_but({"other"})  # the request is gone: so are its counts, not the batch's
+    assert "r" not in c.survival and c.batch_survival.reached[0] > 0
 
 
 def test_a_request_that_sat_out_is_tried_again():
     c = _controller(target_t0=0.010, target_t1=0.0, draft_t0=0.003)
     _requests(c, 4, 0.5)  # the batch does fairly
-    r = Request("unlucky", [1], SamplingParams())
     for _ in range(6):
-        c.observe(r, 3, 0)  # every first draft token rejected
-    plans = [c.plan([r])[0] for _ in range(30)]
+        c.observe_verification("unlucky", 3, 0)  # every first draft token rejected
+    plans = [_ks(c, ["unlucky"])[0] for _ in range(30)]
     assert plans[0] == 0 and max(plans) > 0  # its counts faded toward the batch's curve
 
 
@@ -130,18 +138,18 @@ def _choices(m: ModeChooser, steps: int, observe=None) -> str:
 def test_mode_chooser_follows_measured_rates_and_explores_less_once_settled():
     m = ModeChooser()
     off_is_faster = lambda on: (100 if on else 150, 1.0)  # noqa: E731
-    assert _choices(m, 2 * WARMUP_SAMPLES, off_is_faster) == "10" * WARMUP_SAMPLES  # alternate first
+    assert _choices(m, 2 * MEASURE_STEPS, off_is_faster) == "10" * MEASURE_STEPS  # alternate first
     choices = _choices(m, 9 * EXPLORE_EVERY, off_is_faster)
-    bursts = [i for i in range(len(choices)) if choices.startswith("1" * EXPLORE_STEPS, i) and (i == 0 or choices[i - 1] == "0")]
-    assert choices.count("1") == 3 * EXPLORE_STEPS  # the slower mode only in bursts ...
-    assert [b - a for a, b in zip(bursts, bursts[1:])] == [EXPLORE_STEPS + 2 * EXPLORE_EVERY,
-                                                            EXPLORE_STEPS + 4 * EXPLORE_EVERY]  # ... ever rarer
+    bursts = [i for i in range(len(choices)) if choices.startswith("1" * MEASURE_STEPS, i) and (i == 0 or choices[i - 1] == "0")]
+    assert choices.count("1") == 3 * MEASURE_STEPS  # the slower mode only in bursts ...
+    assert [b - a for a, b in zip(bursts, bursts[1:])] == [MEASURE_STEPS + 2 * EXPLORE_EVERY,
+                                                            MEASURE_STEPS + 4 * EXPLORE_EVERY]  # ... ever rarer
     assert choices.endswith("0" * EXPLORE_EVERY)
 
 
 def test_mode_chooser_switches_when_the_other_mode_gets_faster():
     m = ModeChooser()
-    _choices(m, 2 * WARMUP_SAMPLES + 200, lambda on: (100 if on else 150, 1.0))
+    _choices(m, 2 * MEASURE_STEPS + 200, lambda on: (100 if on else 150, 1.0))
     choices = _choices(m, 2 * MAX_EXPLORE_EVERY, lambda on: (1000 if on else 150, 1.0))  # speculation wins now
     assert choices.endswith("1" * EXPLORE_EVERY)
     assert choices.count("0") < MAX_EXPLORE_EVERY
@@ -156,7 +164,7 @@ def test_mode_chooser_rate_is_tokens_over_time_not_a_mean_of_rates():
 
 def test_mode_chooser_keeps_batch_size_buckets_apart():
     m = ModeChooser()
-    for _ in range(WARMUP_SAMPLES):
+    for _ in range(MEASURE_STEPS):
         m.observe(True, 1, 200, 1.0)
         m.observe(False, 1, 100, 1.0)
         m.observe(True, 64, 100, 1.0)
@@ -167,8 +175,6 @@ def test_mode_chooser_keeps_batch_size_buckets_apart():
 
 
 def test_linear_cost_fits_the_latest_samples_of_each_size_exactly():
-    from backend.spec.spec_controller import LinearCost
-
     cost = LinearCost(per_size=2)
     cost.add(10, 9.0)
     assert (cost.t0, cost.t1) == (9.0, 0.0)  # one size seen: a constant
@@ -181,8 +187,6 @@ def test_linear_cost_fits_the_latest_samples_of_each_size_exactly():
 def test_linear_cost_keeps_its_slope_through_a_long_run_at_one_size():
     """Plain decoding times the target at one size (a token per request) step after step; what
     was measured with draft tokens must still count, or verification would look free."""
-    from backend.spec.spec_controller import LinearCost
-
     cost = LinearCost()
     for n in (32, 64, 96, 128):  # a few speculating steps
         cost.add(n, 0.01 + 0.001 * n)
@@ -194,7 +198,7 @@ def test_linear_cost_keeps_its_slope_through_a_long_run_at_one_size():
 def test_mode_chooser_borrows_a_measured_neighbour_bucket_and_alternates_while_blind():
     m = ModeChooser()
     assert [m.speculate(64) for _ in range(4)] == [True, False, True, False]  # mixed steps, nothing observed
-    for _ in range(WARMUP_SAMPLES):
+    for _ in range(MEASURE_STEPS):
         m.observe(True, 64, 100, 1.0)
         m.observe(False, 64, 200, 1.0)
     # the batch shrank to 40 requests (the next bucket down): no new warm-up with speculation on
@@ -206,7 +210,7 @@ def test_mode_chooser_switches_speculation_on_only_when_it_earns_the_switch_back
     the next exploration burst; a gain too small for that stays off."""
     def settled(on_rate: float, switch_seconds: float) -> str:
         m = ModeChooser()
-        _choices(m, 2 * WARMUP_SAMPLES, lambda on: (150, 1.0))  # warm-up: a tie
+        _choices(m, 2 * MEASURE_STEPS, lambda on: (150, 1.0))  # warm-up: a tie
         for _ in range(40):  # speculation's rate is now about on_rate (older samples decayed)
             m.observe(True, 8, on_rate, 1.0)
         m.charge_switch(8, switch_seconds)
@@ -222,16 +226,16 @@ def test_mode_chooser_switches_speculation_on_only_when_it_earns_the_switch_back
 
 def test_mode_chooser_keeps_costly_switch_on_bursts_to_a_budget():
     """Bursts that try speculation again from plain decoding make every draft catch up: when
-    that is dear, they come no more often than SWITCH_BUDGET of the time pays for."""
+    that is dear, they come no more often than EXPLORE_BUDGET of the time pays for."""
     off_is_faster = lambda on: (100 if on else 150, 1.0)  # noqa: E731
     cheap, dear = ModeChooser(), ModeChooser()
     for m in (cheap, dear):
-        _choices(m, 2 * WARMUP_SAMPLES, off_is_faster)
+        _choices(m, 2 * MEASURE_STEPS, off_is_faster)
     dear.charge_switch(8, 1.0)  # a plain step of 8 requests at 150 tok/s takes 53 ms
-    gap = 1.0 * 150 / (SWITCH_BUDGET * 8)  # steps between such bursts: 625
-    assert _choices(cheap, 400, off_is_faster).count("1") == 4 * EXPLORE_STEPS  # bursts at 32, 100, 232, 364
+    gap = 1.0 * 150 / (EXPLORE_BUDGET * 8)  # steps between such bursts: 625
+    assert _choices(cheap, 400, off_is_faster).count("1") == 4 * MEASURE_STEPS  # bursts at 32, 100, 232, 364
     choices = _choices(dear, 700, off_is_faster)
-    assert choices.index("1") >= gap - 2 * WARMUP_SAMPLES - 1 and choices.count("1") == EXPLORE_STEPS
+    assert choices.index("1") >= gap - 2 * MEASURE_STEPS - 1 and choices.count("1") == MEASURE_STEPS
 
 
 def test_mode_chooser_burst_waits_for_a_catch_up_of_several_steps():
@@ -239,9 +243,9 @@ def test_mode_chooser_burst_waits_for_a_catch_up_of_several_steps():
     measures speculation after them, and they count as one switch's cost."""
     m = ModeChooser()
     off_is_faster = lambda on: (100 if on else 150, 1.0)  # noqa: E731
-    _choices(m, 2 * WARMUP_SAMPLES, off_is_faster)
+    _choices(m, 2 * MEASURE_STEPS, off_is_faster)
     choices, catch_ups = "", 3
-    for _ in range(EXPLORE_EVERY + EXPLORE_STEPS + catch_ups):
+    for _ in range(EXPLORE_EVERY + MEASURE_STEPS + catch_ups):
         on = m.speculate(8)
         choices += "1" if on else "0"
         if on and catch_ups:
@@ -249,7 +253,7 @@ def test_mode_chooser_burst_waits_for_a_catch_up_of_several_steps():
             catch_ups -= 1
         else:
             m.observe(on, 8, *off_is_faster(on))
-    assert choices.count("1") == EXPLORE_STEPS + 3 and "1" * (EXPLORE_STEPS + 3) in choices
+    assert choices.count("1") == MEASURE_STEPS + 3 and "1" * (MEASURE_STEPS + 3) in choices
     assert choices.endswith("0")
     assert m.buckets[m.bucket(8)].switch_seconds == pytest.approx(0.3)
 
@@ -259,7 +263,7 @@ def test_mode_chooser_tells_a_steady_speculating_step_from_a_switch():
     speculation's rate; one in a step that switched speculation on is the switch's cost."""
     m = ModeChooser()
     on_is_faster = lambda on: (200 if on else 150, 1.0)  # noqa: E731
-    _choices(m, 2 * WARMUP_SAMPLES, on_is_faster)  # warm-up alternation: never steady
+    _choices(m, 2 * MEASURE_STEPS, on_is_faster)  # warm-up alternation: never steady
     assert not m.steady(8)
     assert m.speculate(8) and not m.steady(8)  # the first choice after warm-up switches it on
     assert m.speculate(8) and m.steady(8)  # then it stays on
@@ -278,12 +282,13 @@ def test_speculator_counts_a_verification_by_its_expected_yield():
     spec = Speculator(NgramProposer(), max_k=4, adaptive=True, device=torch.device("cpu"), draft_budget=64)
     r = Request("r", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams())  # repeats: the lookup proposes
     r.num_computed_tokens = r.num_tokens - 1
+    step = spec.begin_step()
     spec.reserve([r], max_model_len=100)
     k = r.spec.num_lookahead_tokens
     assert k > 0  # room reserved; the drafts come once the step is scheduled
-    expected = spec.policy.controller.expected_tokens_batch([r])[0][k]
-    spec.record(r, k, 0)  # every draft token rejected: 1 token realized
-    assert spec.policy.yield_correction == pytest.approx(expected - 1)
-    assert expected > 1
-    spec.reserve([r], max_model_len=100)  # a new step starts from no correction
-    assert spec.policy.yield_correction == 0.0
+    expected = spec.control.expected_yields(["r"])[0][k]
+    assert step.expected["r"][k] == expected > 1  # the plan's expectation travels with its step
+    spec.record(step, r, k, 0)  # every draft token rejected: 1 token realized
+    assert step.yield_correction == pytest.approx(expected - 1)
+    assert (r.spec.num_draft_tokens, r.spec.num_accepted_tokens) == (k, 0)
+    assert spec.begin_step().yield_correction == 0.0  # a new step starts from no correction
