@@ -128,7 +128,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
-def _auto_num_splits(batch: int, num_kv_heads: int, seq_lens: torch.Tensor, max_seqlen_k: int | None) -> int:
+def auto_num_splits(batch: int, num_kv_heads: int, seq_lens: torch.Tensor, max_seqlen_k: int | None) -> int:
+    """The split count a launch uses on its device (the extend kernel's verifications too)."""
     if seq_lens.device.type != "cuda":
         return 1  # the interpreter runs programs one by one: splitting gains nothing
     num_sms = torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
@@ -164,7 +165,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     if num_splits is None:
-        num_splits = _auto_num_splits(batch, shape.num_kv_heads, seq_lens, max_seqlen_k)
+        num_splits = auto_num_splits(batch, shape.num_kv_heads, seq_lens, max_seqlen_k)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 

@@ -1,4 +1,5 @@
-"""Decode attention bandwidth: the Triton kernel and the torch reference against the HBM ceiling.
+"""Decode and verification attention bandwidth: the Triton kernels and the torch reference
+against the HBM ceiling.
 
 Decode attention is bound by reading the KV cache: every context token's K and V row is read once
 per (request, KV head), since the query heads of a GQA group share one read. Bytes counted:
@@ -18,6 +19,8 @@ warm-up; medians. The KV cache (512 MiB at the defaults) is far larger than L2.
     python perf/bench_kernels.py --batch 4 --context 32768 # small batch, long context: split-KV
     python perf/bench_kernels.py --head-dim 64 --batch 128 --min-context 128 --context 1024 --block-n 32 64 128
                                                            # the 1B shape's ragged decode, tile widths
+    python perf/bench_kernels.py --batch 1 --queries 4 --num-splits 1   # a batch-1 verification of 3
+                                                           # drafts (extend kernel), split-KV or not
 """
 from __future__ import annotations
 
@@ -58,10 +61,10 @@ def make_inputs(args: argparse.Namespace, dtype: torch.dtype, generator: torch.G
     randn = lambda *s: torch.randn(*s, generator=generator, device=device, dtype=dtype)  # noqa: E731
     block_tables = torch.randperm(num_blocks, generator=generator, device=device).to(torch.int32)
     return DecodeInputs(
-        q=randn(args.batch, args.num_heads, args.head_dim),
+        q=randn(args.batch * args.queries, args.num_heads, args.head_dim),
         k_cache=randn(*shape),
         v_cache=randn(*shape),
-        cu_seqlens_q=torch.arange(args.batch + 1, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.arange(0, args.batch * args.queries + 1, args.queries, dtype=torch.int32, device=device),
         seq_lens=seq_lens(args).to(device),
         block_tables=block_tables.view(args.batch, blocks_per_seq),
         scale=args.head_dim**-0.5,
@@ -78,7 +81,7 @@ def seq_lens(args: argparse.Namespace) -> torch.Tensor:
 def bytes_read(args: argparse.Namespace, itemsize: int, lens: torch.Tensor) -> int:
     tokens = int(lens.sum())
     kv = tokens * args.num_kv_heads * args.head_dim * itemsize * 2
-    q_out = args.batch * args.num_heads * args.head_dim * itemsize * 2
+    q_out = args.batch * args.queries * args.num_heads * args.head_dim * itemsize * 2
     blocks = int((-(-lens // args.block_size)).sum())
     metadata = blocks * 4 + args.batch * 4 + (args.batch + 1) * 4
     return kv + q_out + metadata
@@ -109,8 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--queries", type=int, default=1,
+                        help="query tokens per request at the end of its context (k + 1 for a verification: "
+                             "the extend kernel)")
     parser.add_argument("--num-splits", type=int, nargs="*", default=[],
-                        help="also time the decode kernel with these forced split-KV counts")
+                        help="also time the decode (or, with --queries > 1, extend) kernel with these split-KV counts")
     parser.add_argument("--block-n", type=int, nargs="*", default=[],
                         help="also time the decode kernel (1 split) with these K/V tile widths")
     parser.add_argument("--warmup", type=int, default=10)
@@ -128,18 +134,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from kernels.paged_attention import paged_attention, paged_attention_ref
     from kernels.paged_attention_decode import default_num_splits, paged_decode_attention
+    from kernels.paged_attention_extend import paged_extend_attention
 
     dtype = DTYPES[args.dtype]
     inputs = make_inputs(args, dtype, torch.Generator(device="cuda").manual_seed(args.seed))
-    hints = dict(max_seqlen_q=1, max_seqlen_k=args.context)
+    hints = dict(max_seqlen_q=args.queries, max_seqlen_k=args.context)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     auto_splits = default_num_splits(args.batch, args.num_kv_heads, args.context, num_sms)
     variants: dict[str, Callable[[], torch.Tensor]] = {
         f"triton paged_attention (num_splits={auto_splits})": lambda: paged_attention(*inputs.args(), **hints),
     }
+    kernel, kernel_name = (
+        (paged_decode_attention, "decode") if args.queries == 1 else (paged_extend_attention, "extend"))
     for n in args.num_splits:
-        variants[f"triton decode, num_splits={n}"] = (
-            lambda n=n: paged_decode_attention(*inputs.args(), **hints, num_splits=n)
+        variants[f"triton {kernel_name}, num_splits={n}"] = (
+            lambda n=n: kernel(*inputs.args(), **hints, num_splits=n)
         )
     for n in args.block_n:
         variants[f"triton decode, 1 split, block_n={n}"] = (
@@ -149,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
 
     context = f"{args.min_context}-{args.context}" if args.min_context else f"{args.context}"
     print(
-        f"decode attention: batch {args.batch}, context {context}, {args.num_heads} query heads, "
+        f"{kernel_name} attention: batch {args.batch} x {args.queries} queries, context {context}, "
+        f"{args.num_heads} query heads, "
         f"{args.num_kv_heads} KV heads of {args.head_dim}, block size {args.block_size}, {args.dtype}, "
         f"{torch.cuda.get_device_name()} ({num_sms} SMs)"
     )

@@ -36,6 +36,9 @@ if [[ $STEPS == *bandwidth* ]]; then
   echo "== decode attention at the end-to-end shape (1B: head_dim 64, batch 128, contexts 128-1024)"
   timeout 90 $PY perf/bench_kernels.py --head-dim 64 --batch 128 --min-context 128 --context 1024 \
     --num-splits 1 2 --block-n 32 64 128 2>&1 | tail -25 | tee -a "$OUT/bench_kernels.txt"
+  echo "== verification attention, batch 1 x 4 queries, 8B shape, context 8192: split-KV (auto) vs none"
+  timeout 60 $PY perf/bench_kernels.py --batch 1 --queries 4 --context 8192 --num-splits 1 2>&1 | tail -8 \
+    | tee -a "$OUT/bench_kernels.txt"
   echo "== small-batch linears: cuBLAS vs the Triton gemv kernel at the 1B shapes, tile sweep"
   timeout 120 $PY perf/bench_gemv.py --block-n 16 32 64 --block-k 128 256 512 2>&1 | tail -30 | tee "$OUT/bench_gemv.txt"
 fi

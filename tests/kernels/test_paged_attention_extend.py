@@ -46,3 +46,30 @@ def test_extend_long_prefill_strided_q(make_paged_batch, tolerances):
     out = paged_extend_attention(*batch.args(), 0.125)
     expected = paged_attention_ref(*batch.float64_args(), 0.125)
     torch.testing.assert_close(out.double(), expected, **tolerances[torch.float32])
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, dtype, num_splits", [
+    (8, 2, torch.float32, 3),  # GQA 4
+    (9, 3, torch.bfloat16, 8),  # the default model's group of 3
+    (4, 4, torch.float16, 16),  # splits past the contexts' tiles: some ranges empty
+])
+def test_split_kv_verification_matches_reference(make_paged_batch, tolerances, num_heads, num_kv_heads, dtype,
+                                                 num_splits):
+    """Verification (k + 1 queries at the end of a long context), its context split in ranges:
+    with a split per K/V tile (16), the request of 130 has a range starting at position 128 (a
+    tile boundary for any tile of <= 128 tokens), which its queries at 126 and 127 see none of:
+    they must weigh nothing there."""
+    seq_lens, q_lens = [300, 130, 520, 1], [4, 4, 2, 1]
+    batch = make_paged_batch(seq_lens, q_lens, num_heads, num_kv_heads, 64, 16, dtype)
+    expected = paged_attention_ref(*batch.float64_args(), 0.125)
+    split = paged_extend_attention(*batch.args(), 0.125, batch.max_seqlen_q, batch.max_seqlen_k, num_splits=num_splits)
+    torch.testing.assert_close(split.double(), expected, **tolerances[dtype])
+    unsplit = paged_extend_attention(*batch.args(), 0.125, batch.max_seqlen_q, batch.max_seqlen_k, num_splits=1)
+    torch.testing.assert_close(split, unsplit, **tolerances[dtype])
+
+
+def test_split_kv_needs_one_query_tile_per_request(make_paged_batch):
+    batch = make_paged_batch([70, 33], [70, 30], 8, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_extend_attention(*batch.args(), 0.125, num_splits=2)
+    assert paged_extend_attention(*batch.args(), 0.125).shape == batch.q.shape  # no split chosen itself
