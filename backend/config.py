@@ -42,6 +42,7 @@ class EngineConfig:
     pipeline_layer_partition: str = ""  # layers per stage, "5,4"; empty: as even as possible
     nnodes: int = 1  # nodes the ranks span; the others run `python -m backend.parallel.node` (torchrun's variables)
     master_port: int = 0  # nnodes > 1: the port on this node where every rank meets (MASTER_PORT)
+    gpu_device_ids: str = ""  # CUDA: the first node's GPU per rank there, "2,3"; empty: from `device`'s on
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -112,6 +113,14 @@ class EngineConfig:
                                   f"got {self.nnodes}")
         if self.nnodes > 1 and not 0 < self.master_port < 65536:
             raise ValidationError("master_port", f"must be in [1, 65535] when nnodes is above 1, got {self.master_port}")
+        if self.gpu_device_ids:
+            try:
+                ids = parse_gpu_ids(self.gpu_device_ids)
+            except ValueError:
+                raise ValidationError("gpu_device_ids", f'must be GPU ids like "0,1", got {self.gpu_device_ids!r}') from None
+            if len(ids) != world // self.nnodes or len(set(ids)) != len(ids) or min(ids) < 0:
+                raise ValidationError("gpu_device_ids", f"must name {world // self.nnodes} different GPUs, one per rank "
+                                      f"on this node, got {self.gpu_device_ids!r}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -148,3 +157,8 @@ def _parse(key: str, type_name: str, raw: str) -> Any:
     except ValueError:
         raise ValidationError(key, f"cannot parse {raw!r} as {type_name}") from None
     return raw
+
+
+def parse_gpu_ids(text: str) -> tuple[int, ...]:
+    """ "2,3" -> (2, 3); "" -> ()."""
+    return tuple(int(part) for part in text.replace(" ", "").split(",")) if text.strip() else ()

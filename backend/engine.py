@@ -37,7 +37,7 @@ from backend.core.output_processor import OutputProcessor
 from backend.core.request import Request, RequestStatus
 from backend.core.request_limits import RequestLimits
 from backend.core.scheduler import ScheduledBatch, Scheduler
-from backend.device import bind_device, resolve_device
+from backend.device import bind_device, check_gpus, device_of_rank
 from backend.errors import INTERNAL_ERROR, ValidationError
 from backend.host_copy import HostCopy
 from backend.host_memory import retain_freed_memory
@@ -50,13 +50,18 @@ from backend.model.model_loader import (
     load_hf_config,
     load_model,
 )
-from backend.model.model_runner import ModelRunner, kv_cache_bytes_per_block
+from backend.model.model_runner import (
+    Executor,
+    ModelRunner,
+    kv_cache_bytes_per_block,
+    target_graph_query_lens,
+)
 from backend.model.pipeline_parallel import pipeline_stage
 from backend.model.step_inputs import PendingTokens, target_input
 from backend.outputs import EngineStats, RequestOutput
 from backend.parallel.worker_group import (
-    PipelineRunner,
-    TensorParallelRunner,
+    PipelineExecutor,
+    TensorParallelExecutor,
     WorkerGroup,
 )
 from backend.sample.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
@@ -85,7 +90,7 @@ class InFlightStep:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = device_of_rank(config, 0)  # under tensor or pipeline parallelism, rank 0's
         self.dtype = TORCH_DTYPES[config.dtype]
         self.draft_dtype = TORCH_DTYPES[config.draft_dtype]
         if config.num_threads:
@@ -111,9 +116,8 @@ class LLMEngine:
             except ValueError as e:
                 name = "pipeline_layer_partition" if config.pipeline_layer_partition else "pipeline_parallel_size"
                 raise ValidationError(name, str(e)) from None
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(config, name) > 1 and self.device.type != "cpu":  # the ranks would need NCCL and a device each
-                raise ValidationError(name, "above 1 runs on CPUs (gloo) only so far")
+        if self.device.type == "cuda":
+            check_gpus(config)  # a GPU for each of this node's ranks
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
             self.workers = WorkerGroup(config)
         try:
@@ -151,12 +155,12 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.host_waits = HostWaits()  # every wait of the host for the device, per step
-        self.runner = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device, self.dtype,
-                                  self.host_waits)
+        self.runner: Executor = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device,
+                                            self.dtype, self.host_waits)
         if self.workers is not None:  # every rank's KV pool has the same blocks, of its own layers and heads
             self.workers.setup(self.num_blocks, self.vocab_size)
             pipelined = config.pipeline_parallel_size > 1
-            self.runner = (PipelineRunner if pipelined else TensorParallelRunner)(self.runner, self.workers)
+            self.runner = (PipelineExecutor if pipelined else TensorParallelExecutor)(self.runner, self.workers)
         self.sampler = Sampler(config.seed)
         proposer: Proposer | None = None
         if self.draft_model is not None:
@@ -182,12 +186,11 @@ class LLMEngine:
         self.depth = config.max_batches_in_flight if pipelined else 1 + self.overlap
         self.max_requests_per_step = -(-config.max_num_seqs // self.depth) if pipelined else None
         self.in_flight: collections.deque[InFlightStep] = collections.deque()  # launched, not read back; oldest first
-        if self.device.type == "cuda" and not config.enforce_eager and self.attention.supports_cuda_graphs \
-                and self.workers is None:  # parallel steps run eagerly for now
-            # the target: decode steps, and verifications of num_speculative_tokens drafts each;
+        query_lens = target_graph_query_lens(config, self.device, self.attention)
+        if query_lens:  # the target: decode steps, and verifications of num_speculative_tokens drafts each
+            # (under tensor parallelism every worker captures the same graphs with it);
             # the draft: its one-token forwards, and its first after a verification (2 tokens)
-            verify = (config.num_speculative_tokens + 1,) if proposer is not None else ()
-            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, *verify))
+            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, query_lens)
             if proposer is not None and proposer.runner is not None:
                 proposer.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, 2))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.block_manager, self.requests,

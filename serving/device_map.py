@@ -3,8 +3,9 @@
 - KIND_GPU: Triton gives each instance a GPU (`model_instance_device_id`); the engine runs there.
   Each instance is one GPU, so tensor_parallel_size must be 1.
 - `gpu_device_ids` (TensorRT-LLM's convention, "0,1;2,3"): instance i runs on the i-th group of
-  GPUs, tensor_parallel_size of them; no GPU in two groups, a group for every instance, every GPU
-  present. Use it with KIND_MODEL (or KIND_CPU, which only says where Triton runs the instance).
+  GPUs, tensor_parallel_size of them (rank r on the group's r-th); no GPU in two groups, a group
+  for every instance, every GPU present. Use it with KIND_MODEL (or KIND_CPU, which only says
+  where Triton runs the instance).
 - Otherwise the `device` parameter as it is. Several instances on CUDA without a map would all
   land on GPU 0, so that is refused.
 - Ranks across nodes (`nnodes` above 1) meet at one port, with one set of nodes: one instance.
@@ -70,6 +71,13 @@ def instance_device(placement: InstancePlacement, device: str, gpu_device_ids: s
         return device
     _check_groups(groups, placement.count, tensor_parallel_size, num_gpus)
     return f"cuda:{groups[placement.index][0]}"
+
+
+def instance_gpu_ids(placement: InstancePlacement, gpu_device_ids: str) -> str:
+    """The engine's `gpu_device_ids`: this instance's group ("2,3", a GPU per tensor-parallel rank;
+    checked by instance_device), or "" without a map."""
+    groups = parse_gpu_device_ids(gpu_device_ids)
+    return ",".join(map(str, groups[placement.index])) if groups and placement.kind != "GPU" else ""
 
 
 def check_nodes(placement: InstancePlacement, nnodes: int) -> None:

@@ -62,7 +62,7 @@ from backend.sampling_params import SamplingParams
 from serving.abort_channel import AbortListener, abort_everywhere, instances_directory
 from serving.abort_key import checked_abort_key, key_digest, proves, require_stop_key
 from serving.admission_gate import AdmissionGate
-from serving.device_map import check_nodes, instance_device, instance_placement
+from serving.device_map import check_nodes, instance_device, instance_gpu_ids, instance_placement
 from serving.early_aborts import EarlyAborts
 from serving.engine_metrics import EngineMetrics
 from serving.sender_lane import PendingSend, SenderLane
@@ -127,6 +127,7 @@ class TritonPythonModel:
             placement, parameters.get("device", "auto"), gpu_device_ids,
             int(parameters.get("tensor_parallel_size", "1") or 1), torch.cuda.device_count(),
         )
+        parameters["gpu_device_ids"] = instance_gpu_ids(placement, gpu_device_ids)  # a GPU per rank
         config = EngineConfig.from_strings(parameters)
         check_nodes(placement, config.nnodes)
         self.model_name = args["model_name"]

@@ -187,15 +187,12 @@ def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device
                     param_name, rows = _parameter_for(model, local_name)
                 except AttributeError:  # no such module
                     param_name, rows = name, None
+                index = select(name)
+                if index is None:  # none of it on this rank (a row-parallel bias off rank 0)
+                    continue
                 if param_name not in params:
                     raise ValidationError("model", f"unexpected weight {name!r} in {file.name}")
                 target = params[param_name] if rows is None else params[param_name][rows]
-                index = select(name)
-                if index is None:  # none of it on this rank
-                    with torch.no_grad():
-                        target.zero_()
-                    rows_left[param_name] -= target.shape[0]
-                    continue
                 tensor = f.get_slice(name)[index]
                 if tensor.shape != target.shape:
                     raise ValidationError(

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from backend.config import EngineConfig
 from backend.host_waits import HostWaits
 from backend.model.attention import AttentionBackend, AttentionMetadata
 from backend.model.decode_inputs import PAD_BLOCK, PAD_SLOT, DecodeInputs
@@ -31,6 +33,17 @@ GRAPH_BATCH_SIZES = (1, 2, 4) + tuple(range(8, 64, 8)) + tuple(range(64, 257, 16
 # ([batch x q, vocab]: 160 MB at 64 x 5 and a 128k vocabulary), and speculation pays at small
 # batches (adaptive k turns it off at large ones)
 MAX_MULTI_TOKEN_GRAPH_BATCH = 64
+
+
+def target_graph_query_lens(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> tuple[int, ...]:
+    """Tokens per request of the target's CUDA graphs (every rank of a tensor-parallel stage
+    captures the same ones, their all-reduces in them): 1 (decode) and, with speculation, k + 1
+    (verification); () for no graphs (a CPU, enforce_eager, an attention that syncs, or a
+    pipeline, whose stages run a step's layers apart)."""
+    if device.type != "cuda" or config.enforce_eager or not attention.supports_cuda_graphs \
+            or config.pipeline_parallel_size > 1:
+        return ()
+    return (1,) if config.speculative_method == "none" else (1, config.num_speculative_tokens + 1)
 
 
 def graph_shape(step: StepInput, sizes: dict[int, tuple[int, ...]]) -> tuple[int, int] | None:
@@ -80,6 +93,22 @@ class StepInput:
         first = sum(map(len, self.token_ids)) - n
         at = range(n - len(sources), n) if at is None else at
         self.from_device += ((first + i, source) for i, source in zip(at, sources))
+
+
+class Executor(Protocol):
+    """What the engine's step drives, one interface for every way of running the target: a
+    ModelRunner here (local), or rank 0's runner with the other ranks behind it
+    (backend/parallel/worker_group.py: TensorParallelExecutor, PipelineExecutor)."""
+    graph_replays: int
+
+    def launch(self, step: StepInput) -> None:
+        """Start a step's forward (its kernels queue on the device, or its first stage runs)."""
+
+    def collect(self) -> torch.Tensor:
+        """The logits [sum(num_logits), vocab] float32 of the oldest step launched and not collected."""
+
+    def capture_graphs(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
+        """Capture CUDA graphs of uniform steps (every rank of a tensor-parallel stage does the same)."""
 
 
 @dataclass(slots=True)

@@ -1,6 +1,5 @@
-"""Tensor parallelism applied to a loaded model from outside it (Megatron-style sharding, the way
-gpt-fast's `apply_tp` does it): each of N ranks keeps its share of every layer, and the outputs
-of the row-parallel projections are summed across ranks.
+"""Tensor parallelism (Megatron-style sharding): each of N ranks keeps its share of every layer,
+in tensor-parallel layers that do their own collectives, and the model's forward is unchanged.
 
     qkv_proj      column-parallel: rank r keeps q heads [r H/N, (r+1) H/N) and the KV heads they
                   read: KV/N of them, or, when N > KV, the one KV head its q heads share (KV heads
@@ -14,9 +13,11 @@ of the row-parallel projections are summed across ranks.
                   gets the whole logits; rank 0 alone samples)
     norms         replicated
 
-The loader applies this to a model still on the meta device and then reads only the rank's
-rows and columns of each checkpoint tensor (`checkpoint_slice`), so a rank never holds the whole
-model. `model.args` becomes the rank's view (its heads, KV heads and MLP width), so a ModelRunner built
+The layers: ColumnParallelLinear (rows of a packed projection: q/k/v or gate/up, each cut
+apart), RowParallelLinear (columns, then an all-reduce), VocabParallelEmbedding and
+ParallelLMHead. `shard_model` puts them in place of a model's layers while it is still on the
+meta device (shapes only); the loader then reads only the rank's rows and columns of each
+checkpoint tensor (`checkpoint_slice`), so a rank never holds the whole model. `model.args` becomes the rank's view (its heads, KV heads and MLP width), so a ModelRunner built
 on the sharded model sizes a KV pool of the rank's own KV heads, for the same block ids as every
 other rank's.
 """
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from backend.model.model import Linear, LlamaForCausalLM, ModelArgs
+from backend.model.model import Linear, LlamaForCausalLM, ModelArgs, PackedLinear
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
 AllGather = Callable[[torch.Tensor], list[torch.Tensor]]  # every rank's tensor (same shape), in rank order
@@ -88,6 +89,30 @@ class ParallelLMHead(nn.Module):
         return torch.cat(self.all_gather(padded), dim=1)[:, : self.vocab_size]
 
 
+class ColumnParallelLinear(PackedLinear):
+    """This rank's output rows of a packed projection: of each of its parts (q, k, v; gate, up),
+    `shards[i]` of the unsharded part i (so the packed layout survives the cut). The input is
+    whole, the output is this rank's share: no collective."""
+
+    def __init__(self, in_features: int, shards: list[slice], bias: bool):
+        super().__init__(in_features, [s.stop - s.start for s in shards], bias)
+        self.shards = shards  # the unsharded parts' rows this rank holds, part by part
+
+
+class RowParallelLinear(Linear):
+    """This rank's input columns of a projection whose input is sharded (attention heads, MLP
+    width): the ranks' partial outputs are summed (all-reduce), the bias added once, by rank 0."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, all_reduce: AllReduce):
+        super().__init__(in_features, out_features, bias and rank == 0)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.all_reduce(out)
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class TensorParallelRank:
     """One rank of N, and the collectives its sharded layers call."""
@@ -123,51 +148,30 @@ def rank_share(args: ModelArgs, rank: int, world_size: int) -> RankShare:
                      mlp=slice(rank * width, (rank + 1) * width))
 
 
-_ROW_PARALLEL = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
-_COLUMN_PARALLEL = {"o_proj": "q", "down_proj": "mlp"}
+_CUT_ROWS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+_CUT_COLUMNS = {"o_proj": "q", "down_proj": "mlp"}
 
 
 def checkpoint_slice(name: str, share: RankShare, rank: int) -> tuple[slice, ...] | None:
     """The part of checkpoint tensor `name` (an unsharded HF name) that a rank keeps, as an index
-    into it; None when it keeps none of it (a row-parallel bias off rank 0, which stays zero)."""
+    into it; None when it keeps none of it (a row-parallel bias off rank 0: it has none)."""
     module_path, _, kind = name.rpartition(".")
     proj = module_path.rpartition(".")[2]
     if module_path in ("model.embed_tokens", "lm_head"):
         return (share.vocab,)
-    if proj in _ROW_PARALLEL:
-        return (getattr(share, _ROW_PARALLEL[proj]),)
-    if proj in _COLUMN_PARALLEL:
+    if proj in _CUT_ROWS:  # column-parallel: output rows
+        return (getattr(share, _CUT_ROWS[proj]),)
+    if proj in _CUT_COLUMNS:  # row-parallel: input columns
         if kind == "bias":
             return (slice(None),) if rank == 0 else None
-        return (slice(None), getattr(share, _COLUMN_PARALLEL[proj]))
+        return (slice(None), getattr(share, _CUT_COLUMNS[proj]))
     return (slice(None),)  # replicated: norms
 
 
-def _keep_rows(linear: Linear, rows: list[slice]) -> None:
-    """Keep these output rows (in this order) of a linear layer's weight and bias."""
-    linear.weight = nn.Parameter(torch.cat([linear.weight.data[r] for r in rows]), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(torch.cat([linear.bias.data[r] for r in rows]), requires_grad=False)
-    linear.out_features = linear.weight.shape[0]
-
-
-def _keep_columns(linear: Linear, columns: slice, rank: int, all_reduce: AllReduce) -> None:
-    """Keep these input columns of a row-parallel layer; its output is summed over the ranks
-    (the bias is added once, by rank 0)."""
-    linear.weight = nn.Parameter(linear.weight.data[:, columns].contiguous(), requires_grad=False)
-    linear.in_features = linear.weight.shape[1]
-    if linear.bias is not None and rank != 0:
-        linear.bias = nn.Parameter(torch.zeros_like(linear.bias.data), requires_grad=False)
-
-    def reduce(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-        all_reduce(output)
-
-    linear.register_forward_hook(reduce)
-
-
 def shard_model(model: LlamaForCausalLM, tp: TensorParallelRank) -> None:
-    """Cut a model down to rank `tp.rank`'s share, in place. The loader does it to a model still on
-    the meta device (shapes only), then reads each weight's share (checkpoint_slice)."""
+    """Put rank `tp.rank`'s tensor-parallel layers in place of the model's own. The loader does
+    it to a model still on the meta device (shapes only), then reads each weight's share
+    (checkpoint_slice)."""
     args = model.args
     share = rank_share(args, tp.rank, tp.world_size)
     embedding, head = model.model.embed_tokens, model.lm_head  # None on a pipeline stage without them
@@ -179,20 +183,15 @@ def shard_model(model: LlamaForCausalLM, tp: TensorParallelRank) -> None:
                                        share.vocab_rows_per_rank, args.vocab_size, tp.all_gather)
     if model.shares_embeddings:  # one copy of the shared rows
         model.lm_head.weight = model.model.embed_tokens.weight
-    d, q_heads, kv_heads = args.head_dim, len(share.heads.q_heads), len(share.heads.kv_heads)
-    k_start = args.num_heads * d
-    v_start = k_start + args.num_kv_heads * d
+    q_heads, kv_heads = len(share.heads.q_heads), len(share.heads.kv_heads)
     width = share.mlp.stop - share.mlp.start
+    hidden = args.hidden_size
     for layer in model.model.layers:
         attn = layer.self_attn
-        _keep_rows(attn.qkv_proj, [share.q, slice(k_start + share.kv.start, k_start + share.kv.stop),
-                                   slice(v_start + share.kv.start, v_start + share.kv.stop)])
-        attn.qkv_proj.shard_sizes = [q_heads * d, kv_heads * d, kv_heads * d]
+        attn.qkv_proj = ColumnParallelLinear(hidden, [share.q, share.kv, share.kv], args.qkv_bias)
         attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
-        _keep_columns(attn.o_proj, share.q, tp.rank, tp.all_reduce)
+        attn.o_proj = RowParallelLinear(share.q.stop - share.q.start, hidden, args.o_bias, tp.rank, tp.all_reduce)
         mlp = layer.mlp
-        up = slice(args.intermediate_size + share.mlp.start, args.intermediate_size + share.mlp.stop)
-        _keep_rows(mlp.gate_up_proj, [share.mlp, up])
-        mlp.gate_up_proj.shard_sizes = [width, width]
-        _keep_columns(mlp.down_proj, share.mlp, tp.rank, tp.all_reduce)
+        mlp.gate_up_proj = ColumnParallelLinear(hidden, [share.mlp, share.mlp], args.mlp_bias)
+        mlp.down_proj = RowParallelLinear(width, hidden, args.mlp_bias, tp.rank, tp.all_reduce)
     model.args = dataclasses.replace(args, num_heads=q_heads, num_kv_heads=kv_heads, intermediate_size=width)

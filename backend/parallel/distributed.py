@@ -1,14 +1,22 @@
-"""The ranks of a parallel engine and what travels between them, over torch.distributed (gloo on
-CPUs): tensor_parallel_size T ranks per pipeline stage, rank = stage * T + tp_rank. Rank 0 is the
-engine (it schedules and samples); every other rank is a worker process (backend/parallel/worker.py).
+"""The ranks of a parallel engine and what travels between them, over torch.distributed:
+tensor_parallel_size T ranks per pipeline stage, rank = stage * T + tp_rank. Rank 0 is the engine
+(it schedules and samples); every other rank is a worker process (backend/parallel/worker.py).
+Each rank runs on its own device (backend/device.py `rank_device`: on CUDA a GPU each).
+
+Two planes, each a set of groups over the same ranks:
+    control        gloo, host memory: the config, each step's header (backend/parallel/wire.py),
+                   sizes, the forward times
+    tensors        NCCL on CUDA (gloo on CPUs), each rank's device: the step's tensors, the
+                   all-reduces and gathers of the sharded layers, the pipeline's hidden states and
+                   residuals and the logits sent back to rank 0; nothing crosses the host on CUDA
 
     joined by      a rendezvous: a file in the engine's private directory on one host, or
                    torchrun's MASTER_ADDR:MASTER_PORT when workers on other nodes join
                    (backend/parallel/node.py). Before anything else passes between them, every rank proves
                    it holds the engine's secret (`prove_secret`); on one host, gloo binds loopback
-    everyone       a group of all ranks: the set-up broadcasts and the pipeline's sends
-    stage group    the T ranks of one stage: the all-reduces and gathers of its sharded layers,
-                   and rank 0's broadcast of each step to stage 0
+    everyone       a group of all ranks (in each plane): the set-up broadcasts and the pipeline's sends
+    stage group    the T ranks of one stage (in each plane): the all-reduces and gathers of its
+                   sharded layers, and rank 0's broadcast of each step to stage 0
     pipeline       each rank of stage s sends every step to the same tp_rank of stage s+1: the
                    StepInput (a typed header, backend/parallel/wire.py, then its tensors) and the hidden
                    states and residuals; the last stage's first rank sends the logits back to
@@ -35,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from backend.config import EngineConfig
+from backend.device import bind_device, device_of_rank
 from backend.model.model_runner import StepInput
 from backend.model.tensor_parallel import TensorParallelRank
 from backend.parallel import wire
@@ -72,8 +81,11 @@ class RankGroups:
     rank: int
     world_size: int
     tensor_parallel_size: int
-    everyone: dist.ProcessGroup
+    everyone: dist.ProcessGroup  # control plane (gloo)
     stage_groups: list[dist.ProcessGroup]  # per stage, its T ranks (empty at T = 1)
+    device: torch.device  # this rank's
+    device_everyone: dist.ProcessGroup  # the tensors' plane (NCCL on CUDA)
+    device_stage_groups: list[dist.ProcessGroup]
 
     @property
     def num_stages(self) -> int:
@@ -101,26 +113,52 @@ class RankGroups:
 
     def tensor_parallel(self) -> TensorParallelRank | None:
         """The collectives of this rank's sharded layers (None without tensor parallelism)."""
-        group = self.stage_group
-        if group is None:
+        if not self.device_stage_groups:
             return None
+        group = self.device_stage_groups[self.stage]
         return TensorParallelRank(self.tp_rank, self.tensor_parallel_size,
                                   lambda t: dist.all_reduce(t, group=group), lambda t: all_gather(t, group))
 
-    def broadcast_in_stage(self, step: StepInput | None, device: torch.device | None = None) -> StepInput | None:
-        """Stage 0: rank 0's step (None: stop) to its stage's ranks, where its tensors land on `device`."""
-        group = self.stage_groups[0]
+    def broadcast_in_stage(self, step: StepInput | None) -> StepInput | None:
+        """Stage 0: rank 0's step (None: stop) to its stage's ranks: the header on the control
+        plane, its tensors on the tensors' plane (rank 0's on its device already: no wait)."""
         if self.rank == 0:
-            header, tensors = StepHeader.of(step) if step is not None else (None, ())
-            broadcast_bytes(wire.encode(header), group)
+            header, tensors = StepHeader.of(step, self.device) if step is not None else (None, ())
+            broadcast_bytes(wire.encode(header), self.stage_groups[0])
         else:
-            header = wire.STEPS.decode(broadcast_bytes(None, group))
-            tensors = header.buffers() if header is not None else ()
+            header = wire.STEPS.decode(broadcast_bytes(None, self.stage_groups[0]))
+            tensors = header.buffers(self.device) if header is not None else ()
         for tensor in tensors:
-            dist.broadcast(tensor, 0, group=group)
+            dist.broadcast(tensor, 0, group=self.device_stage_groups[0])
         if self.rank == 0:
             return step
-        return header.step(tensors, device) if header is not None else None
+        return header.step(tensors) if header is not None else None
+
+    def send_step(self, sends: Sends, step: StepInput | None, tensors: tuple[torch.Tensor, ...], dst: int) -> None:
+        """A step (None: stop) and its hidden states and residuals [num_tokens, hidden] to `dst`."""
+        header, step_tensors = StepHeader.of(step, self.device) if step is not None else (None, ())
+        payload = _payload(wire.encode(header))
+        sends.send(torch.tensor([payload.numel()], dtype=torch.int64), dst, self.everyone)
+        sends.send(payload, dst, self.everyone)
+        for tensor in (*step_tensors, *tensors):
+            sends.send(tensor, dst, self.device_everyone)
+
+    def recv_step(self, src: int, hidden_size: int, dtype: torch.dtype
+                  ) -> tuple[StepInput | None, tuple[torch.Tensor, ...]]:
+        """What `send_step` sent: the step and its (x, residual), on this rank's device, or (None, ()) to stop."""
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src, group=self.everyone)
+        payload = torch.empty(_checked_size(size), dtype=torch.uint8)
+        dist.recv(payload, src, group=self.everyone)
+        header = wire.STEPS.decode(payload.numpy().tobytes())
+        if header is None:
+            return None, ()
+        step_tensors = header.buffers(self.device)
+        num_tokens = sum(map(len, header.token_ids))
+        tensors = tuple(torch.empty(num_tokens, hidden_size, dtype=dtype, device=self.device) for _ in range(2))
+        for tensor in (*step_tensors, *tensors):
+            dist.recv(tensor, src, group=self.device_everyone)
+        return header.step(step_tensors), tensors
 
     def broadcast_num_blocks(self, num_blocks: int | None) -> int:
         """Rank 0's KV pool size, on every rank."""
@@ -148,12 +186,19 @@ def join(init_method: str, rank: int, world_size: int, secret: bytes, config: En
             if world_size != t * config.pipeline_parallel_size:
                 raise ValueError(f"world size {world_size} is not tensor_parallel_size x pipeline_parallel_size "
                                  f"({t} x {config.pipeline_parallel_size})")
-            stage_groups = [dist.new_group(list(range(s * t, (s + 1) * t)), timeout=COLLECTIVE_TIMEOUT)
-                            for s in range(world_size // t)] if t > 1 else []
+            stages = [list(range(s * t, (s + 1) * t)) for s in range(world_size // t)] if t > 1 else []
+            stage_groups = [dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT) for ranks in stages]
+            device = device_of_rank(config, rank)
+            bind_device(device)  # NCCL's communicators are made on the current device
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            device_everyone = dist.new_group(list(range(world_size)), timeout=COLLECTIVE_TIMEOUT, backend=backend)
+            device_stage_groups = [dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT, backend=backend)
+                                   for ranks in stages]
         except BaseException:
             dist.destroy_process_group()
             raise
-    return RankGroups(rank, world_size, t, everyone, stage_groups), config
+    return RankGroups(rank, world_size, t, everyone, stage_groups, device, device_everyone,
+                      device_stage_groups), config
 
 
 def prove_secret(store: dist.Store, secret: bytes, rank: int, world_size: int) -> None:
@@ -250,33 +295,6 @@ class Sends:
         for work, _ in self.pending:
             work.wait()
         self.pending = []
-
-
-def send_step(sends: Sends, step: StepInput | None, tensors: tuple[torch.Tensor, ...], dst: int, group) -> None:
-    """A step (None: stop) and its hidden states and residuals [num_tokens, hidden] to `dst`."""
-    header, step_tensors = StepHeader.of(step) if step is not None else (None, ())
-    payload = _payload(wire.encode(header))
-    sends.send(torch.tensor([payload.numel()], dtype=torch.int64), dst, group)
-    for tensor in (payload, *step_tensors, *tensors):
-        sends.send(tensor, dst, group)
-
-
-def recv_step(src: int, group, hidden_size: int, dtype: torch.dtype, device: torch.device | None = None
-              ) -> tuple[StepInput | None, tuple[torch.Tensor, ...]]:
-    """What `send_step` sent: the step (its tensors on `device`) and its (x, residual), or (None, ()) to stop."""
-    size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
-    payload = torch.empty(_checked_size(size), dtype=torch.uint8)
-    dist.recv(payload, src, group=group)
-    header = wire.STEPS.decode(payload.numpy().tobytes())
-    if header is None:
-        return None, ()
-    step_tensors = header.buffers()
-    num_tokens = sum(map(len, header.token_ids))
-    tensors = tuple(torch.empty(num_tokens, hidden_size, dtype=dtype) for _ in range(2))
-    for tensor in (*step_tensors, *tensors):
-        dist.recv(tensor, src, group=group)
-    return header.step(step_tensors, device), tensors
 
 
 def send_busy(busy: list[tuple[float, float]], group) -> None:

@@ -26,8 +26,9 @@ class WireError(ValueError):
 
 
 class StepHeader(msgspec.Struct, frozen=True, array_like=True):
-    """A StepInput without its tensors, which follow it (int64, on the host): device_tokens
-    [num_device_tokens], then position_offsets [num_requests] if it has them."""
+    """A StepInput without its tensors, which follow it (int64, on the ranks' devices: the tensors'
+    plane, backend/parallel/distributed.py): device_tokens [num_device_tokens], then
+    position_offsets [num_requests] if it has them."""
     token_ids: list[list[int]]
     start_positions: list[int]
     block_tables: list[list[int]]
@@ -44,23 +45,23 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
             raise ValueError(f"num_device_tokens must be >= 0, got {self.num_device_tokens}")
 
     @classmethod
-    def of(cls, step: StepInput) -> tuple[StepHeader, tuple[torch.Tensor, ...]]:
-        """The step's header and the tensors that follow it."""
-        tensors = tuple(t.reshape(-1).to("cpu", torch.int64) for t in (step.device_tokens, step.position_offsets)
+    def of(cls, step: StepInput, device: torch.device) -> tuple[StepHeader, tuple[torch.Tensor, ...]]:
+        """The step's header and the tensors that follow it, on `device` (the sender's)."""
+        tensors = tuple(t.reshape(-1).to(device, torch.int64) for t in (step.device_tokens, step.position_offsets)
                         if t is not None)
         device_tokens = None if step.device_tokens is None else step.device_tokens.numel()
         return cls(step.token_ids, step.start_positions, step.block_tables, step.num_logits, step.from_device,
                    device_tokens, step.position_offsets is not None), tensors
 
-    def buffers(self) -> tuple[torch.Tensor, ...]:
-        """Where to receive the tensors that follow this header."""
+    def buffers(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Where to receive the tensors that follow this header, on `device` (the receiver's)."""
         sizes = [self.num_device_tokens] if self.num_device_tokens is not None else []
         sizes += [len(self.token_ids)] if self.has_position_offsets else []
-        return tuple(torch.empty(n, dtype=torch.int64) for n in sizes)
+        return tuple(torch.empty(n, dtype=torch.int64, device=device) for n in sizes)
 
-    def step(self, tensors: tuple[torch.Tensor, ...], device: torch.device) -> StepInput:
-        """The StepInput again, its tensors (as `buffers` made them, now filled) on `device`."""
-        received = iter(t.to(device) for t in tensors)
+    def step(self, tensors: tuple[torch.Tensor, ...]) -> StepInput:
+        """The StepInput again, with its tensors (as `buffers` made them, now filled)."""
+        received = iter(tensors)
         device_tokens = next(received) if self.num_device_tokens is not None else None
         position_offsets = next(received) if self.has_position_offsets else None
         return StepInput(self.token_ids, self.start_positions, self.block_tables, self.num_logits, device_tokens,

@@ -21,10 +21,9 @@ import time
 import torch
 
 from backend.config import EngineConfig
-from backend.device import bind_device, resolve_device
 from backend.model.attention import make_attention_backend
 from backend.model.model_loader import TORCH_DTYPES, load_hf_config, load_model
-from backend.model.model_runner import ModelRunner
+from backend.model.model_runner import ModelRunner, target_graph_query_lens
 from backend.model.pipeline_parallel import pipeline_stage
 from backend.parallel.distributed import (
     RANK_SECRET_VARIABLE,
@@ -32,9 +31,7 @@ from backend.parallel.distributed import (
     Sends,
     join,
     rank_secret_from_env,
-    recv_step,
     send_busy,
-    send_step,
 )
 
 
@@ -49,8 +46,7 @@ def run_rank(groups: RankGroups, config: EngineConfig) -> list[tuple[float, floa
     forward started and ended (time.monotonic), for the pipeline's bubble."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    device = resolve_device(config.device)
-    bind_device(device)  # this process steps on its main thread
+    device = groups.device  # bound by join: this process steps on its main thread
     dtype = TORCH_DTYPES[config.dtype]
     hf_config = load_hf_config(config.model)
     max_model_len = config.max_model_len or hf_config.max_position_embeddings
@@ -61,26 +57,29 @@ def run_rank(groups: RankGroups, config: EngineConfig) -> list[tuple[float, floa
     model.use_triton_kernels(attention.name == "triton")
     num_blocks = groups.broadcast_num_blocks(None)  # rank 0's KV pool size
     runner = ModelRunner(model, attention, num_blocks, config.block_size, device, dtype)
+    query_lens = target_graph_query_lens(config, device, attention)
+    if query_lens:  # rank 0 captures the same graphs, in the same order: their all-reduces meet
+        runner.capture_graphs(config.max_num_seqs, max_model_len, query_lens)
     previous = groups.stage_rank(groups.stage - 1) if groups.stage > 0 else None
     following = None if groups.is_last_stage else groups.stage_rank(groups.stage + 1)
     sends, busy = Sends(), []
     with torch.inference_mode():
         while True:
             if previous is None:
-                step, intermediate = groups.broadcast_in_stage(None, device), None
+                step, intermediate = groups.broadcast_in_stage(None), None
             else:
-                step, intermediate = recv_step(previous, groups.everyone, hf_config.hidden_size, dtype, device)
+                step, intermediate = groups.recv_step(previous, hf_config.hidden_size, dtype)
             if step is None:
                 if following is not None:
-                    send_step(sends, None, (), following, groups.everyone)
+                    groups.send_step(sends, None, (), following)
                 break
             started = time.monotonic()
             out = runner.run(step, intermediate)
             busy.append((started, time.monotonic()))
             if following is not None:
-                send_step(sends, step, out, following, groups.everyone)
+                groups.send_step(sends, step, out, following)
             elif groups.tp_rank == 0 and out.shape[0]:  # (prompt chunks only: no logits)
-                sends.send(out, 0, groups.everyone)
+                sends.send(out, 0, groups.device_everyone)
     sends.wait()
     return busy
 

@@ -4,10 +4,10 @@ on one node a fresh one, handed to the workers in their environment; across node
 SPECSERVE_RANK_SECRET), sends them the engine's config and the KV pool's size, then drives each
 step:
 
-    tensor parallel      TensorParallelRunner.run: broadcast the step to stage 0, run rank 0's
+    tensor parallel      TensorParallelExecutor.run: broadcast the step to stage 0, run rank 0's
                          share of it, return the logits
-    pipeline parallel    PipelineRunner.launch: the same for stage 0's layers, then send the hidden
-                         states on to stage 1 and return at once; PipelineRunner.collect: the logits
+    pipeline parallel    PipelineExecutor.launch: the same for stage 0's layers, then send the hidden
+                         states on to stage 1 and return at once; PipelineExecutor.collect: the logits
                          of the oldest step launched, from the last stage, in launch order
 
 A worker of this node that dies is seen before the next step; any dead peer fails rank 0's next
@@ -38,7 +38,6 @@ from backend.parallel.distributed import (
     join,
     rank_secret_from_env,
     recv_busy,
-    send_step,
 )
 
 CLOSE_GRACE_S = 10.0
@@ -104,17 +103,18 @@ class WorkerGroup:
             self.groups.broadcast_in_stage(step)
 
     def send_to_next_stage(self, step: StepInput | None, intermediate: tuple[torch.Tensor, ...]) -> None:
-        send_step(self.sends, step, intermediate, self.groups.stage_rank(1), self.groups.everyone)
+        self.groups.send_step(self.sends, step, intermediate, self.groups.stage_rank(1))
         if step is not None:
             self.logits_in_flight.append(sum(step.num_logits))
 
     def recv_logits(self) -> torch.Tensor:  # [num_logits, vocab] float32
         """The logits of the oldest step sent on, from the last stage."""
-        logits = torch.empty(self.logits_in_flight.popleft(), self.vocab_size, dtype=torch.float32)
+        logits = torch.empty(self.logits_in_flight.popleft(), self.vocab_size, dtype=torch.float32,
+                             device=self.groups.device)
         if not logits.shape[0]:  # a step of prompt chunks only: nothing was sent
             return logits
         last_stage = (self.groups.num_stages - 1) * self.groups.tensor_parallel_size
-        dist.recv(logits, last_stage, group=self.groups.everyone)
+        dist.recv(logits, last_stage, group=self.groups.device_everyone)
         return logits
 
     def check_workers(self) -> None:
@@ -150,7 +150,7 @@ class WorkerGroup:
                 worker.wait()
 
 
-class TensorParallelRunner:
+class TensorParallelExecutor:
     """Rank 0's ModelRunner under tensor parallelism alone: each step is broadcast to the
     workers, then run here too."""
 
@@ -172,7 +172,7 @@ class TensorParallelRunner:
         self.runner.launched.append(self.run(step))
 
 
-class PipelineRunner:
+class PipelineExecutor:
     """Rank 0's ModelRunner as pipeline stage 0: `launch` runs a step's first layers and sends it
     on; `collect` returns the logits of the oldest step launched. Any fault between them leaves
     the stages out of step with rank 0: it is fatal."""

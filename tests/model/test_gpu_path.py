@@ -195,3 +195,24 @@ def test_multi_token_graphs_stop_at_a_batch_of_64(tiny_llama):
     runner.init_graph_io(max_batch_size=256, max_model_len=256, query_lens=(1, 5))
     assert max(runner.graph_sizes[1]) == 256 and max(runner.graph_sizes[5]) == 64
     assert runner.graph_sizes[5] == tuple(b for b in runner.graph_sizes[1] if b <= 64)
+
+
+def test_which_target_graphs_every_rank_captures(tiny_llama):
+    """On CUDA the target captures decode graphs and, with speculation, verification graphs (k + 1
+    tokens); under tensor parallelism every rank captures the same ones (their all-reduces meet in
+    the graphs); a pipeline's stages, a CPU, enforce_eager and an attention that syncs capture none."""
+    from backend.model.attention import TritonAttention
+    from backend.model.model_runner import target_graph_query_lens
+
+    cuda, triton, torch_attention = torch.device("cuda", 1), TritonAttention(), TorchAttention()
+
+    def lens(device=cuda, attention=triton, **overrides):
+        return target_graph_query_lens(EngineConfig(model=str(tiny_llama), **overrides), device, attention)
+
+    assert lens() == (1,)
+    assert lens(speculative_method="ngram", num_speculative_tokens=3) == (1, 4)
+    assert lens(tensor_parallel_size=2) == (1,)
+    assert lens(pipeline_parallel_size=2) == ()
+    assert lens(enforce_eager=True) == ()
+    assert lens(device=torch.device("cpu")) == ()
+    assert lens(attention=torch_attention) == ()

@@ -20,7 +20,15 @@ from backend.errors import ENGINE_DEAD
 from backend.model.model_loader import load_model
 from backend.model.model_runner import ModelRunner, StepInput
 from backend.sampling_params import SamplingParams
-from backend.model.tensor_parallel import HeadShard, TensorParallelRank, head_shard, shard_model
+from backend.model.tensor_parallel import (
+    ColumnParallelLinear,
+    HeadShard,
+    RankShare,
+    RowParallelLinear,
+    TensorParallelRank,
+    head_shard,
+    rank_share,
+)
 from backend.parallel.distributed import all_gather
 from tests.conftest import TINY_VOCAB, write_tiny_model
 from tests.model.test_engine_core import Collector
@@ -89,28 +97,50 @@ def _llama_with_biases(path) -> str:
     return str(path)
 
 
+def _expected_share(whole: torch.nn.Module, name: str, share: RankShare, rank: int) -> torch.Tensor | None:
+    """Parameter `name` of rank `rank`, cut from the whole model's by hand (None: the rank has none)."""
+    param = whole.get_parameter(name)
+    kind = name.rpartition(".")[2]
+    if name.startswith(("model.embed_tokens", "lm_head")):
+        return param[share.vocab]
+    if ".qkv_proj." in name:
+        proj = whole.get_submodule(name.rpartition(".")[0])
+        q, k, v = (param[proj.shard_rows(i)] for i in range(3))
+        return torch.cat([q[share.q], k[share.kv], v[share.kv]])
+    if ".gate_up_proj." in name:
+        proj = whole.get_submodule(name.rpartition(".")[0])
+        gate, up = (param[proj.shard_rows(i)] for i in range(2))
+        return torch.cat([gate[share.mlp], up[share.mlp]])
+    cut = share.q if ".o_proj." in name else share.mlp if ".down_proj." in name else None
+    if cut is None:
+        return param  # norms: replicated
+    if kind == "bias":
+        return param if rank == 0 else None  # added once, by rank 0
+    return param[:, cut]
+
+
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "llama_with_biases"])
 def test_the_loader_reads_each_ranks_share_of_every_weight(arch, request, tmp_path):
-    """Loading rank r of 4 reads exactly the rows and columns that cutting down the whole model
-    keeps (biases included: a row-parallel bias only on rank 0), and the rank's parameters are a
-    fraction of the model's."""
+    """Loading rank r of 4 gives tensor-parallel layers holding exactly the rows and columns of
+    the whole model's weights that its share names (biases included: a row-parallel bias only on
+    rank 0), a fraction of the model's parameters."""
     model_dir = _llama_with_biases(tmp_path) if arch == "llama_with_biases" else request.getfixturevalue(arch)
-    whole_numel = sum(p.numel() for p in load_model(model_dir, "float32", torch.device("cpu"), 64)[0].parameters())
+    whole, _ = load_model(model_dir, "float32", torch.device("cpu"), 64)
+    whole_numel = sum(p.numel() for p in whole.parameters())
     for rank in range(4):
         tp = TensorParallelRank(rank, 4, lambda t: None, lambda t: [t])
-        cut, _ = load_model(model_dir, "float32", torch.device("cpu"), 64)
-        shard_model(cut, tp)
         read, _ = load_model(model_dir, "float32", torch.device("cpu"), 64, tp)
-        expected = dict(cut.named_parameters())
+        share = rank_share(whole.args, rank, 4)
         got = dict(read.named_parameters())
-        assert got.keys() == expected.keys()
+        expected = {name: _expected_share(whole, name, share, rank) for name, _ in whole.named_parameters()}
+        assert got.keys() == {name for name, tensor in expected.items() if tensor is not None}
         for name, param in got.items():
             assert torch.equal(param, expected[name]), name
+        layer = read.model.layers[0]
+        assert isinstance(layer.self_attn.qkv_proj, ColumnParallelLinear)
+        assert isinstance(layer.mlp.down_proj, RowParallelLinear) and not layer.mlp.down_proj._forward_hooks
         assert (read.lm_head.weight is read.model.embed_tokens.weight) == (arch == "tiny_qwen2")
         assert sum(p.numel() for p in got.values()) < 0.5 * whole_numel
-        if arch == "llama_with_biases":
-            o_bias = read.model.layers[0].self_attn.o_proj.bias
-            assert bool(o_bias.any()) == (rank == 0)
 
 
 def test_head_shards():

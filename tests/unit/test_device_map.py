@@ -1,12 +1,21 @@
-"""Where each llm_engine instance runs: KIND_GPU, gpu_device_ids groups, and the clear errors of
-a bad map."""
+"""Where each llm_engine instance and each of its ranks runs: KIND_GPU, gpu_device_ids groups, a
+GPU per tensor-parallel rank, and the clear errors of a bad map."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from backend.config import EngineConfig
+from backend.device import check_gpus, device_of_rank, rank_device
 from backend.errors import ValidationError
-from serving.device_map import (InstancePlacement, check_nodes, instance_device, instance_placement,
-                                parse_gpu_device_ids)
+from serving.device_map import (
+    InstancePlacement,
+    check_nodes,
+    instance_device,
+    instance_gpu_ids,
+    instance_placement,
+    parse_gpu_device_ids,
+)
 
 CONFIG = {"instance_group": [{"name": "llm_engine_0", "count": 2}, {"name": "llm_engine_1", "count": 3}]}
 
@@ -54,3 +63,40 @@ def test_ranks_across_nodes_serve_one_instance():
     check_nodes(InstancePlacement("CPU", 0, 1, 2), 1)
     with pytest.raises(ValidationError, match=r"nnodes: above 1 needs one instance \(instance_group has 2\)"):
         check_nodes(InstancePlacement("CPU", 0, 1, 2), 2)
+
+
+def _engine_config(tmp_path, **overrides) -> EngineConfig:
+    return EngineConfig(model=str(tmp_path), **overrides)
+
+
+def test_every_tensor_parallel_rank_of_every_instance_gets_its_own_gpu(tmp_path):
+    """Two KIND_MODEL instances with tensor_parallel_size 2 and the map "0,1;2,3": instance 1's
+    ranks run on GPUs 2 and 3, never on GPU 0 (Triton server #6855, #8235)."""
+    devices = []
+    for index in range(2):
+        placement = InstancePlacement("MODEL", 0, index, 2)
+        config = _engine_config(tmp_path, device=instance_device(placement, "auto", "0,1;2,3", 2, 4),
+                                gpu_device_ids=instance_gpu_ids(placement, "0,1;2,3"), tensor_parallel_size=2)
+        devices.append([str(device_of_rank(config, rank)) for rank in range(2)])
+    assert devices == [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+
+
+def test_ranks_without_a_map_take_the_gpus_from_rank_0s_on_and_other_nodes_their_local_ones():
+    gpu = torch.device("cuda", 2)
+    assert [str(rank_device(gpu, rank, ranks_per_node=2)) for rank in range(4)] == \
+        ["cuda:2", "cuda:3", "cuda:0", "cuda:1"]  # ranks 2 and 3 on the second node: its LOCAL_RANK 0 and 1
+    assert str(rank_device(torch.device("cuda"), 1, 2, (5, 7))) == "cuda:7"
+    assert rank_device(torch.device("cpu"), 3, 2) == torch.device("cpu")
+
+
+def test_a_gpu_map_that_does_not_fit_the_ranks_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(ValidationError, match="gpu_device_ids: must name 2 different GPUs"):
+        _engine_config(tmp_path, tensor_parallel_size=2, gpu_device_ids="1,1")
+    with pytest.raises(ValidationError, match="gpu_device_ids: must name 2 different GPUs"):
+        _engine_config(tmp_path, tensor_parallel_size=2, gpu_device_ids="1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a host of two GPUs
+    check_gpus(_engine_config(tmp_path, device="cuda:0", tensor_parallel_size=2))
+    with pytest.raises(ValidationError, match=r"tensor_parallel_size: the 2 rank\(s\) on this node need GPUs \[1, 2\]"):
+        check_gpus(_engine_config(tmp_path, device="cuda:1", tensor_parallel_size=2))
+    with pytest.raises(ValidationError, match="gpu_device_ids: .* need GPUs \\[0, 3\\]; this host has 2"):
+        check_gpus(_engine_config(tmp_path, device="cuda", tensor_parallel_size=2, gpu_device_ids="0,3"))

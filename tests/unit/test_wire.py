@@ -114,13 +114,13 @@ def _step(with_tensors: bool) -> StepInput:
 @pytest.mark.parametrize("with_tensors", [False, True])
 def test_a_step_comes_back_as_it_went(with_tensors):
     step = _step(with_tensors)
-    header, tensors = StepHeader.of(step)
+    header, tensors = StepHeader.of(step, torch.device("cpu"))
     received = wire.STEPS.decode(wire.encode(header))
-    buffers = received.buffers()
+    buffers = received.buffers(torch.device("cpu"))
     assert [b.shape for b in buffers] == [t.shape for t in tensors]
     for buffer, tensor in zip(buffers, tensors):
         buffer.copy_(tensor)
-    got = received.step(buffers, torch.device("cpu"))
+    got = received.step(buffers)
     assert (got.token_ids, got.start_positions, got.block_tables, got.num_logits, got.from_device) == (
         [[5, 0, 0], [9]], [4, 17], [[0, 1], [2, 3]], [2, 1], [(1, 1), (2, 0)] if with_tensors else [])
     for name in ("device_tokens", "position_offsets"):
@@ -130,7 +130,7 @@ def test_a_step_comes_back_as_it_went(with_tensors):
 
 def test_stop_is_none_and_an_inconsistent_step_is_refused():
     assert wire.STEPS.decode(wire.encode(None)) is None
-    header, _ = StepHeader.of(_step(False))
+    header, _ = StepHeader.of(_step(False), torch.device("cpu"))
     bad = wire.encode(header)[:-1] + b"\x05"  # has_position_offsets: 5, not a bool
     with pytest.raises(WireError, match="not a step"):
         wire.STEPS.decode(bad)
