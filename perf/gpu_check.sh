@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks in one run: native kernel tests, the model tests on CUDA, the step path (graph
-# replays and host waits per step, plain and speculating, overlapped or not), decode-attention and
+# replays and host waits per step, plain and speculating, overlapped or not), tensor parallelism on
+# one GPU (NCCL world of one in CUDA graphs, two ranks on the GPU), decode-attention and
 # small-batch linear bandwidth, end to end vs HF, host work per step.
-# Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [tests] [model] [steps] [bandwidth] [e2e] [host]
+# Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [tests] [model] [multigpu] [steps]
+#   [bandwidth] [e2e] [host]
 # (no arguments: all). The engine needs msgspec: a machine without it takes the wheel from .gpu/
 # (python3 -m pip download msgspec --only-binary=:all: --python-version 3.12 --implementation cp
 #  --platform manylinux_2_17_x86_64 -d .gpu), as the bundle's other wheels.
 set -u
 OUT=${OUT:-perf/results/gpu}
-STEPS=${*:-tests model steps bandwidth e2e host}
+STEPS=${*:-tests model multigpu steps bandwidth e2e host}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -24,6 +26,11 @@ if [[ $STEPS == *model* ]]; then
   timeout 240 $PY -m pytest tests/model/test_gpu_path.py tests/model/test_engine_vs_hf.py tests/model/test_overlapped_steps.py \
     tests/model/test_speculative.py -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/model_tests.txt"
   echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/model_tests.txt"
+fi
+if [[ $STEPS == *multigpu* ]]; then
+  echo "== tensor parallelism on one GPU: NCCL world of one in CUDA graphs == unsharded; TP=2 on one GPU (gloo, CUDA tensors)"
+  timeout 170 $PY -m pytest tests/model/test_cuda_parallel.py -q -p no:cacheprovider 2>&1 | tail -20 | tee "$OUT/multigpu.txt"
+  echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/multigpu.txt"
 fi
 if [[ $STEPS == *steps* ]]; then
   echo "== the step path, Llama-3.2-1B shape, bf16: graph replays and host waits per step"

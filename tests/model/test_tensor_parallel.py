@@ -4,7 +4,13 @@ engine with tensor_parallel_size N gives TP=1's tokens, with speculation too; a 
 every request."""
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +215,63 @@ def test_a_dead_worker_ends_every_request(tiny_llama):
     assert all(len(tokens) < 400 for tokens in collector.tokens.values())  # ended by the death, not by length
     assert loop.dead
     loop.shutdown()
+
+
+# -- what users of Triton's LLM backends report breaking with several ranks ----------------------
+
+_ENGINE_SCRIPT = """
+import json, sys, time
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from tests.model.test_engine_vs_hf import mixed_prompts, run_engine
+engine = LLMEngine(EngineConfig(model=sys.argv[1], tensor_parallel_size=2, num_threads=1))
+print(json.dumps({"workers": [w.pid for w in engine.workers.workers]}), flush=True)
+if sys.argv[2] == "generate":
+    prompts, max_tokens = mixed_prompts(6, seed=9)
+    print(json.dumps({"tokens": run_engine(engine, prompts, max_tokens)}), flush=True)
+    engine.close()
+else:
+    time.sleep(600)  # until killed
+"""
+
+
+def _engine_process(model_dir, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _ENGINE_SCRIPT, str(model_dir), mode], stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return status.exists() and status.read_text().split()[2] != "Z"  # a zombie is gone too
+
+
+def test_workers_do_not_outlive_a_killed_engine(tiny_llama):
+    """The engine's process dies without a word (SIGKILL, as when Triton's stub is killed): its
+    tensor-parallel workers notice their parent is gone and exit (vllm #6766: orphans)."""
+    engine = _engine_process(tiny_llama, "wait")
+    workers = json.loads(engine.stdout.readline())["workers"]
+    assert workers and all(_alive(pid) for pid in workers)
+    engine.kill()
+    engine.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in workers)
+
+
+def test_two_tensor_parallel_instances_on_one_host_do_not_collide(tiny_llama):
+    """Two engines with tensor_parallel_size 2 at once on one host (two Triton instances): each has
+    its own rendezvous, secret and ports, and both give TP=1's tokens (vllm #6614: shared names)."""
+    prompts, max_tokens = mixed_prompts(6, seed=9)
+    expected = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama))), prompts, max_tokens)
+    engines = [_engine_process(tiny_llama, "generate") for _ in range(2)]
+    outputs = []
+    for engine in engines:
+        out, _ = engine.communicate(timeout=300)
+        assert engine.returncode == 0
+        outputs.append(json.loads(out.splitlines()[-1])["tokens"])
+    assert outputs == [expected, expected]
