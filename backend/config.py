@@ -9,7 +9,7 @@ from typing import Any
 from backend.errors import ValidationError
 
 DTYPES = ("float32", "bfloat16", "float16")
-SPECULATIVE_METHODS = ("none", "draft", "ngram")
+SPECULATIVE_METHODS = ("none", "draft", "eagle", "ngram")
 
 
 @dataclass(slots=True)
@@ -28,8 +28,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto", "torch", "triton"
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
-    speculative_method: str = "none"  # "none", "draft", "ngram"
-    draft_model: str | None = None  # HF directory of the draft model (method "draft")
+    speculative_method: str = "none"  # "none", "draft", "eagle" (a head on the target's hidden states), "ngram"
+    draft_model: str | None = None  # directory of the draft model (method "draft") or EAGLE head ("eagle")
     draft_dtype: str | None = None  # defaults to `dtype`; on a CPU a tiny draft runs faster in float32
     num_speculative_tokens: int = 4  # max k
     adaptive_speculation: bool = True
@@ -76,8 +76,14 @@ class EngineConfig:
                 "speculative_method",
                 f"must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}",
             )
-        if self.speculative_method == "draft" and not self.draft_model:
-            raise ValidationError("draft_model", "required when speculative_method is 'draft'")
+        if self.speculative_method in ("draft", "eagle") and not self.draft_model:
+            raise ValidationError("draft_model", f"required when speculative_method is {self.speculative_method!r}")
+        if self.speculative_method == "eagle" and self.async_scheduling:
+            raise ValidationError("async_scheduling", "must be off with an EAGLE head (it drafts from the last "
+                                  "step's tokens and hidden states on the host)")
+        if self.speculative_method == "eagle" and self.pipeline_parallel_size > 1:
+            raise ValidationError("speculative_method", "'eagle' needs the target's hidden states on rank 0: "
+                                  "pipeline_parallel_size must be 1")
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValidationError("tensor_parallel_size", f"must be in [1, 64], got {self.tensor_parallel_size}")
         if not 1 <= self.pipeline_parallel_size <= 64:

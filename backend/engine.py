@@ -47,6 +47,7 @@ from backend.model.linear_tuner import tune_small_batch_linears
 from backend.model.model_loader import (
     TORCH_DTYPES,
     load_draft_model,
+    load_eagle_head,
     load_hf_config,
     load_model,
 )
@@ -68,6 +69,7 @@ from backend.sample.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
 from backend.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.sampling_params import SamplingParams
 from backend.spec.draft_proposer import DraftProposer
+from backend.spec.eagle_proposer import EagleProposer
 from backend.spec.ngram_proposer import NgramProposer
 from backend.spec.proposer import Proposer
 from backend.spec.speculator import SpecStep, Speculator
@@ -134,10 +136,14 @@ class LLMEngine:
         self.vocab_size = model.args.vocab_size
         self.attention = make_attention_backend(config.attention_backend, self.device)
         self.draft_model = None
+        eagle = config.speculative_method == "eagle"  # a head on the target's hidden states
         if config.speculative_method == "draft":
             self.draft_model = load_draft_model(
                 config.draft_model, model, self.tokenizer, config.draft_dtype, self.device, self.max_model_len
             )
+        elif eagle:
+            self.draft_model = load_eagle_head(config.draft_model, model, config.draft_dtype, self.device,
+                                               self.max_model_len, config.model)
         self.linear_choices: dict[str, dict] = {}  # model -> weight shape -> small-batch kernel choice
         for name, m in (("target", model), ("draft", self.draft_model)):
             if m is None:
@@ -148,9 +154,14 @@ class LLMEngine:
         bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
         if self.draft_model is not None:
             bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.draft_dtype)
+        if eagle:  # the target's final hidden state at every slot, for the head
+            bytes_per_block += config.block_size * model.args.hidden_size * self.dtype.itemsize
         self.num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(bytes_per_block)
         if self.num_blocks < 2:
             raise ValidationError("kv_cache_memory_bytes", f"room for {self.num_blocks} KV blocks; need >= 2")
+        if eagle:  # written by the target's forwards, read by the head's (padding rows write the last)
+            model.feature_pool = self.draft_model.feature_pool = torch.zeros(
+                self.num_blocks * config.block_size + 1, model.args.hidden_size, dtype=self.dtype, device=self.device)
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.num_blocks)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -168,7 +179,7 @@ class LLMEngine:
                 self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.draft_dtype,
                 self.host_waits,
             )
-            proposer = DraftProposer(draft_runner, self.sampler, self.vocab_size)
+            proposer = (EagleProposer if eagle else DraftProposer)(draft_runner, self.sampler, self.vocab_size)
         elif config.speculative_method == "ngram":
             proposer = NgramProposer()
         # overlapped steps: on CUDA by default, without speculation (speculation with them is not yet
@@ -191,7 +202,7 @@ class LLMEngine:
             # (under tensor parallelism every worker captures the same graphs with it);
             # the draft: its one-token forwards, and its first after a verification (2 tokens)
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, query_lens)
-            if proposer is not None and proposer.runner is not None:
+            if proposer is not None and proposer.runner is not None and not eagle:  # (the head runs eagerly)
                 proposer.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, 2))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.block_manager, self.requests,
                                                 self.max_model_len)

@@ -9,16 +9,18 @@ checkpoint on its own, so a rank never holds the whole model.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from backend.errors import ValidationError
+from backend.model import eagle
 from backend.model.model import (
     PACKED_PROJECTIONS,
     Linear,
@@ -155,6 +157,14 @@ def _parameter_for(model: LlamaForCausalLM, name: str) -> tuple[str, slice | Non
     return f"{parent}.{packed}.{kind}", module.shard_rows(shard)
 
 
+def _whole_tensor(model_dir: Path, name: str) -> torch.Tensor:
+    for file in _weight_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise ValidationError("model", f"no {name!r} in {model_dir}")
+
+
 def _has_weight(model_dir: Path, name: str) -> bool:
     for file in _weight_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -239,6 +249,46 @@ def load_draft_model(
             "draft_model", f"context {config.max_position_embeddings} is shorter than max_model_len {max_model_len}"
         )
     return draft
+
+
+def load_eagle_head(head_dir: str | Path, target: LlamaForCausalLM, dtype: str, device: torch.device,
+                    max_model_len: int, target_dir: str | Path | None = None) -> eagle.EagleHead:
+    """Load an EAGLE head (backend/model/eagle.py) for the target: its width must be the target's,
+    its embeddings are the target's (the whole table, read from `target_dir` when the target's
+    own is a tensor-parallel shard), its lm_head covers DRAFT_VOCAB_FILE's tokens (else all)."""
+    head_dir = Path(head_dir)
+    try:
+        config = json.loads((head_dir / "config.json").read_text())
+        layer_config = LlamaConfig.from_dict(config["decoder_layer"])
+        final_norm = bool(config["final_norm"])
+        if config.get("architecture") != eagle.ARCHITECTURE:
+            raise ValueError(f"architecture {config.get('architecture')!r} is not {eagle.ARCHITECTURE!r}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValidationError("draft_model", f"not an EAGLE head (config.json with architecture "
+                              f"{eagle.ARCHITECTURE!r}, final_norm and decoder_layer) in {head_dir}: {e}") from None
+    layer_config.num_hidden_layers = 1
+    args = model_args(layer_config)
+    args.tie_word_embeddings = False  # its lm_head is its own (the target's embeddings feed its input)
+    if args.hidden_size != target.args.hidden_size:
+        raise ValidationError("draft_model", f"an EAGLE head of width {args.hidden_size} cannot read the target's "
+                              f"hidden states of width {target.args.hidden_size}")
+    token_ids = load_draft_vocab(head_dir / DRAFT_VOCAB_FILE, target.args.vocab_size)
+    inv_freq, scaling = rope_inverse_frequencies(layer_config, args.head_dim)
+    rows = len(token_ids) if token_ids is not None else target.args.vocab_size
+    with torch.device("meta"):
+        head = eagle.EagleHead(args, RotaryEmbedding(inv_freq.to("meta"), scaling, 1), rows, final_norm)
+    head = head.to_empty(device=device).to(TORCH_DTYPES[dtype])
+    head.layer.self_attn.rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
+    try:
+        _load_weights(head, head_dir, device, _whole, None)
+    except ValidationError as e:
+        raise ValidationError("draft_model", e.message) from None
+    head.embed_tokens = target.model.embed_tokens
+    if type(head.embed_tokens) is not torch.nn.Embedding:  # a rank's share: the head reads every row
+        head.embed_tokens = torch.nn.Embedding.from_pretrained(_whole_tensor(Path(target_dir), EMBEDDINGS).to(
+            device=device, dtype=TORCH_DTYPES[dtype]))
+    head.vocab_token_ids = token_ids.to(device) if token_ids is not None else None
+    return head.eval()
 
 
 def load_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:

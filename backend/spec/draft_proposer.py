@@ -45,6 +45,17 @@ class DraftProposer:
     def num_available(self, request: Request, k: int) -> int:
         return k
 
+    @staticmethod
+    def behind(request: Request) -> int:
+        """Tokens a speculating request's first forward reads: what the draft has not, its last included."""
+        return request.num_computed_tokens + 1 - request.spec.num_computed_tokens
+
+    @staticmethod
+    def catch_up_end(request: Request, num_scheduled: int) -> int:
+        """How far a request's draft KV can catch up in a step that computes `num_scheduled` of its
+        tokens: alongside the target, short of the last known token (its proposing forward reads it)."""
+        return min(request.num_computed_tokens + num_scheduled, request.num_tokens - 1)
+
     def propose(self, requests: list[Request], ks: list[int], timer: StepTimer | None = None,
                 catch_up: list[tuple[Request, int]] = (), pending: PendingTokens | None = None) -> list[Proposal]:
         """k_r draft tokens per request (on the device, and on the host unless a request's last
@@ -76,20 +87,33 @@ class DraftProposer:
                                                             len(step.token_ids))
             logits = self.full_vocabulary(self.runner.run(step))
             if active:
-                drafting = [requests[i] for i in active]
-                meta = build_sampling_metadata(drafting, [[] for _ in active], self.vocab_size, self.sampler.generator,
-                                               logits.device)
-                out = self.sampler(logits, meta)
-                previous, previous_active = out.token_ids[:, 0], active
-                for row, i in enumerate(active):
-                    drawn[i].append(previous[row : row + 1])
-                    if not requests[i].params.greedy:  # a greedy verification compares argmaxes only
-                        probs[i].append(out.probs[row])
+                previous, previous_active = self.draw(requests, active, logits, drawn, probs), active
             if timer is not None:
                 timer.span("draft", (j, sum(len(t) for t in step.token_ids), len(active)), started)
+        return self.proposals(requests, ks, drawn, probs, row_of)
+
+    def draw(self, requests: list[Request], active: list[int], logits: torch.Tensor,
+             drawn: list[list[torch.Tensor]], probs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Sample one draft token for each request[i], i in `active` (logits row by row), through the
+        engine's sampler; appends it to drawn[i] and its distribution to probs[i]. Returns the tokens."""
+        drafting = [requests[i] for i in active]
+        meta = build_sampling_metadata(drafting, [[] for _ in active], self.vocab_size, self.sampler.generator,
+                                       logits.device)
+        out = self.sampler(logits, meta)
+        tokens = out.token_ids[:, 0]
+        for row, i in enumerate(active):
+            drawn[i].append(tokens[row : row + 1])
+            if not requests[i].params.greedy:  # a greedy verification compares argmaxes only
+                probs[i].append(out.probs[row])
+        return tokens
+
+    def proposals(self, requests: list[Request], ks: list[int], drawn: list[list[torch.Tensor]],
+                  probs: list[list[torch.Tensor]], row_of: dict[str, int]) -> list[Proposal]:
+        """The drafts as proposals, on their way to the host; read at once unless the request's last
+        step is still pending (`row_of`)."""
         device_ids = [torch.cat(d) for d in drawn]
         proposals = [Proposal(None, torch.stack(p) if p else None, d) for p, d in zip(probs, device_ids)]
-        if proposals:  # on their way to the host; read at once unless their last step is pending
+        if proposals:
             copy, offset = HostCopy(torch.cat(device_ids), waits=self.runner.waits), 0
             for r, proposal, k in zip(requests, proposals, ks):
                 proposal.host_copy, offset = (copy, offset), offset + k

@@ -21,6 +21,12 @@ class Proposer(Protocol):
     def num_available(self, request: Request, k: int) -> int:
         """How many of k draft tokens it can propose for the request now (before scheduling)."""
 
+    # with a runner: the tokens a speculating request's first forward reads, and how far a request
+    # that does not speculate can catch up in a step that computes num_scheduled of its tokens
+    def behind(self, request: Request) -> int: ...
+
+    def catch_up_end(self, request: Request, num_scheduled: int) -> int: ...
+
     def propose(self, requests: list[Request], ks: list[int], timer: StepTimer | None = None,
                 catch_up: list[tuple[Request, int]] = (), pending: PendingTokens | None = None) -> list[Proposal]:
         """Exactly ks[i] draft tokens for requests[i] (at most what num_available said). A

@@ -120,7 +120,7 @@ class Speculator:
             self.wants_drafts = True
             k = self.proposer.num_available(r, k)
             if self.proposer.runner is not None:
-                behind = r.num_computed_tokens + 1 - r.spec.num_computed_tokens
+                behind = self.proposer.behind(r)
                 if behind > budget:  # it catches up first (`propose` reads what budget is left)
                     continue
                 budget -= behind
@@ -151,7 +151,7 @@ class Speculator:
                 r.spec.num_lookahead_tokens, r.spec.draft_token_ids = 0, []
         catch_up = []
         if self.proposer.runner is not None and self.wants_drafts:
-            behind = sum(r.num_computed_tokens + 1 - r.spec.num_computed_tokens for r in to_draft)
+            behind = sum(self.proposer.behind(r) for r in to_draft)
             catch_up = self._catch_up_rows(batch, self.draft_budget - behind)
             # a draft that sat out steps (or is new) first reads what it missed; when that dominates
             # the step, its cost beyond a usual first forward is estimated for the mode chooser
@@ -168,8 +168,7 @@ class Speculator:
             probs[r.request_id] = proposal.probs
         return probs
 
-    @staticmethod
-    def _catch_up_rows(batch: ScheduledBatch, budget: int) -> list[tuple[Request, int]]:
+    def _catch_up_rows(self, batch: ScheduledBatch, budget: int) -> list[tuple[Request, int]]:
         """(request, end) for requests of this step that do not speculate and whose draft is behind
         what the target will have computed after it (a prompt chunk, or tokens missed while
         speculation was off): the draft reads up to `end`, at most `budget` tokens in all. The
@@ -179,7 +178,7 @@ class Speculator:
             if budget <= 0:
                 break
             start = r.spec.num_computed_tokens
-            end = min(r.num_computed_tokens + n, r.num_tokens - 1, start + budget)
+            end = min(self.proposer.catch_up_end(r, n), start + budget)
             if r.spec.num_lookahead_tokens or not r.params.speculative or end <= start:
                 continue
             rows.append((r, end))

@@ -11,13 +11,13 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from backend.config import EngineConfig
-from backend.engine import LLMEngine
 from backend.core.request import Request
+from backend.engine import LLMEngine
+from backend.errors import ValidationError
+from backend.model.model_loader import DRAFT_VOCAB_FILE, EMBEDDINGS
 from backend.sample.sampler import PLACEHOLDER_TOKEN, Sampler
 from backend.sample.sampling_metadata import build_sampling_metadata
 from backend.sampling_params import SamplingParams
-from backend.errors import ValidationError
-from backend.model.model_loader import DRAFT_VOCAB_FILE, EMBEDDINGS
 from tests.conftest import write_tiny_model
 from tests.model.test_engine_vs_hf import mixed_prompts, run_engine
 
@@ -235,14 +235,21 @@ def test_engine_sampling_matches_target_distribution(tmp_path, async_scheduling,
     produces) follow the target's exact marginals, computed from HF by enumeration; with
     overlapped steps too (drafts proposed from tokens the host has not seen yet), and with a
     draft whose vocabulary is 5 of the 8 tokens (q is 0 outside them)."""
-    from transformers import AutoModelForCausalLM
-
     vocab, trials, prompt = 8, 800, [3, 5, 4]
     sharp = dict(vocab_size=vocab, initializer_range=0.6)  # peaked, unlike a near-uniform random init
     target = write_tiny_model(tmp_path / "t", "llama", seed=11, **sharp)
     draft = write_tiny_model(tmp_path / "d", "llama", seed=12, hidden_size=32, num_hidden_layers=1, **sharp)
     if reduced:
         draft = reduce_draft_vocabulary(draft, tmp_path / "reduced", [0, 2, 3, 5, 6], drop_embeddings=False)
+    engine = spec_engine(target, draft, adaptive_speculation=False, num_speculative_tokens=2,
+                         async_scheduling=async_scheduling)
+    assert_speculation_follows_target(engine, target, prompt, vocab, trials)
+
+
+def exact_marginals(target: Path, prompt: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's exact distributions of the 2nd and 3rd sampled tokens (T = 1), by enumeration in HF."""
+    from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
 
     def next_probs(ids: list[int]) -> torch.Tensor:
@@ -250,16 +257,19 @@ def test_engine_sampling_matches_target_distribution(tmp_path, async_scheduling,
             return torch.softmax(hf(torch.tensor([ids])).logits[0, -1], -1)
 
     p1 = next_probs(prompt)
-    p2 = torch.zeros(vocab)
-    p3 = torch.zeros(vocab)
+    p2, p3 = torch.zeros(vocab), torch.zeros(vocab)
     for a in range(vocab):
         pa = next_probs(prompt + [a])
         p2 += p1[a] * pa
         for b in range(vocab):
             p3 += p1[a] * pa[b] * next_probs(prompt + [a, b])
+    return p2, p3
 
-    engine = spec_engine(target, draft, adaptive_speculation=False, num_speculative_tokens=2,
-                         async_scheduling=async_scheduling)
+
+def assert_speculation_follows_target(engine: LLMEngine, target: Path, prompt: list[int], vocab: int,
+                                     trials: int) -> None:
+    """`trials` seeded requests of 3 tokens at T = 1: drafts were both accepted and rejected, and
+    the 2nd and 3rd tokens pass a chi-square test against the target's exact marginals."""
     for t in range(trials):
         engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=t, ignore_eos=True))
     tokens: dict[str, list[int]] = {}
@@ -268,7 +278,7 @@ def test_engine_sampling_matches_target_distribution(tmp_path, async_scheduling,
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
     stats = engine.stats()
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
-    for position, expected in ((1, p2), (2, p3)):
+    for position, expected in zip((1, 2), exact_marginals(target, prompt, vocab)):
         counts = torch.bincount(torch.tensor([t[position] for t in tokens.values()]), minlength=vocab).float()
         keep = expected * trials > 5
         exp = expected[keep] * trials
