@@ -30,7 +30,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.prompts import TINY_PAIR, code_prompts  # noqa: E402
+from perf.prompts import TINY_PAIR, chat_prompts, code_prompts  # noqa: E402
 
 METHODS = {  # name -> engine knobs
     "none": dict(speculative_method="none"),
@@ -38,6 +38,9 @@ METHODS = {  # name -> engine knobs
     "draft k=3": dict(speculative_method="draft", num_speculative_tokens=3, adaptive_speculation=False),
     "draft adaptive": dict(speculative_method="draft", num_speculative_tokens=4, adaptive_speculation=True),
     "ngram adaptive": dict(speculative_method="ngram", num_speculative_tokens=4, adaptive_speculation=True),
+    # an EAGLE head (--eagle) on the target's hidden states
+    "eagle k=2": dict(speculative_method="eagle", num_speculative_tokens=2, adaptive_speculation=False),
+    "eagle adaptive": dict(speculative_method="eagle", num_speculative_tokens=4, adaptive_speculation=True),
 }
 
 
@@ -103,7 +106,12 @@ def main() -> None:
     # the tiny pair until the default model (SmolLM2) has a draft of its own
     ap.add_argument("--target", type=Path, default=TINY_PAIR / "target", help="target checkpoint (default: %(default)s)")
     ap.add_argument("--draft", type=Path, default=TINY_PAIR / "draft", help="draft checkpoint (default: %(default)s)")
-    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "none, 2nd engine"], choices=list(METHODS),
+    ap.add_argument("--eagle", type=Path, help="an EAGLE head for the target (the eagle methods)")
+    ap.add_argument("--prompts", choices=("code", "chat"), default="code",
+                    help="held-out code continuations (64-192 tokens), or the held-out chat requests in the chat template")
+    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ("none, 2nd engine", "eagle k=2",
+                                                                                      "eagle adaptive")],
+                    choices=list(METHODS),
                     help="the first is the baseline of every ratio")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -111,15 +119,17 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     engines = {}
     for name in args.methods:
+        draft = args.eagle if METHODS[name]["speculative_method"] == "eagle" else args.draft
         engines[name] = LLMEngine(EngineConfig(
-            model=str(args.target), draft_model=str(args.draft), num_threads=args.threads,
+            model=str(args.target), draft_model=str(draft), num_threads=args.threads,
             max_num_seqs=max(args.batch_sizes), dtype=args.dtype, draft_dtype=args.draft_dtype, **METHODS[name]))
     rows = []
     cases = [(b, t) for b in args.batch_sizes for t in args.temperatures]
     bar = tqdm(total=len(cases) * len(args.methods) * args.repeats, desc="runs")
     for batch_size, temperature in cases:
         n = max(4, batch_size * args.requests_per_slot)
-        prompts = code_prompts(tokenizer, n, 64, 192, seed=batch_size)
+        prompts = (chat_prompts(tokenizer, n, seed=batch_size) if args.prompts == "chat"
+                   else code_prompts(tokenizer, n, 64, 192, seed=batch_size))
         for engine in engines.values():
             run(engine, prompts[:2], 8, temperature, 2)  # warm-up
         rates = {name: [] for name in args.methods}
@@ -154,14 +164,15 @@ def main() -> None:
             # request-steps that verified drafts, of all request-steps (each plain one yields a token)
             share = steps / (generated - accepted) if generated > accepted else float("nan")
             a = accepted / draft if draft else float("nan")
-            k = engine.config.num_speculative_tokens if name == "draft k=3" else None
+            k = engine.config.num_speculative_tokens if not engine.config.adaptive_speculation else None
             c = measure_c(engine)
             a_geo = geometric_acceptance(accepted, steps, all_accepted)
             predicted = speedup(a_geo, k, c) if k and draft and c == c else float("nan")
             rows.append((batch_size, temperature, name, statistics.median(rates[name]), statistics.median(ratios[name]),
                          min(ratios[name]), max(ratios[name]), share, a, accepted / steps + 1 if steps else 1.0, predicted, c))
     bar.close()
-    print(f"\ndefault pair, {args.max_tokens} new tokens per request, prompts 64-192 tokens of held-out code, "
+    where = "the held-out chat requests" if args.prompts == "chat" else "prompts 64-192 tokens of held-out code"
+    print(f"\n{args.target.name}, {args.max_tokens} new tokens per request, {where}, "
           f"target {args.dtype}, draft {args.draft_dtype}, {args.threads} torch thread(s), median of {args.repeats} "
           f"interleaved rounds (vs first method in the same round)\n")
     print("acceptance: accepted / drafted tokens. S(k) predicted (fixed k): the formula with the per-token rate it\n"

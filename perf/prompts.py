@@ -1,5 +1,6 @@
 """Benchmark prompts: code from the standard-library files held out of the default models'
-training, and synthetic random-token prompts."""
+training, the held-out chat prompts (scripts/chat_prompts.py) in the chat template, and synthetic
+random-token prompts."""
 from __future__ import annotations
 
 import random
@@ -33,6 +34,18 @@ def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, seed: int 
         if len(ids) >= length:
             prompts.append(ids[:length])
     return prompts
+
+
+def chat_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """n of the held-out chat and code requests (never in a draft's training data), each as the
+    model's chat template renders it for generation; cycled when n is more than there are."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from scripts.chat_prompts import HELDOUT, chat
+
+    order = list(HELDOUT)
+    random.Random(seed).shuffle(order)
+    rendered = [tokenizer.apply_chat_template(chat(p), tokenize=False, add_generation_prompt=True) for p in order]
+    return [tokenizer(rendered[i % len(rendered)], add_special_tokens=False).input_ids for i in range(n)]
 
 
 def random_prompts(vocab_size: int, n: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[list[int]]:

@@ -55,11 +55,13 @@ MAX_EXPLORE_EVERY = round(MEASURE_STEPS / EXPLORE_BUDGET)  # 128
 
 
 class LinearCost:
-    """Seconds per forward as t0 + t1 * num_tokens: a least-squares line over the latest
-    `per_size` samples of each size, kept as running sums so that adding a sample costs O(1).
-    Samples are kept per size so that a long run at one size (plain decoding: one token per
-    request, step after step) does not push out what was measured at the others: with them
-    the slope would go, and verification tokens would look free."""
+    """Seconds per forward: at a size measured at least twice, the mean of its latest samples;
+    elsewhere t0 + t1 * num_tokens, a least-squares line over the latest `per_size` samples of
+    each size, kept as running sums so that adding a sample costs O(1). Samples are kept per size
+    so that a long run at one size (plain decoding: one token per request, step after step) does
+    not push out what was measured at the others: with them the slope would go, and verification
+    tokens would look free. A measured size is taken as measured because a forward's cost is not
+    a line: on a CPU a float32 matmul of 4 rows costs twice one of 3 (another kernel)."""
 
     def __init__(self, per_size: int = 16):
         self.samples: dict[int, deque[float]] = {}  # num_tokens -> latest seconds
@@ -90,6 +92,9 @@ class LinearCost:
         return self.sums[0] >= 2
 
     def __call__(self, num_tokens: int) -> float:
+        latest = self.samples.get(num_tokens)
+        if latest is not None and len(latest) >= 2:
+            return sum(latest) / len(latest)
         return self.t0 + self.t1 * num_tokens
 
 

@@ -292,3 +292,13 @@ def test_speculator_counts_a_verification_by_its_expected_yield():
     assert step.yield_correction == pytest.approx(expected - 1)
     assert (r.spec.num_draft_tokens, r.spec.num_accepted_tokens) == (k, 0)
     assert spec.begin_step().yield_correction == 0.0  # a new step starts from no correction
+
+
+def test_linear_cost_takes_a_measured_size_as_measured():
+    """A float32 matmul of 4 rows costs about twice one of 3 on a CPU: a size measured twice is
+    its samples' mean, not the line through every size."""
+    cost = LinearCost()
+    for n, seconds in ((1, 0.071), (2, 0.075), (3, 0.078), (4, 0.117), (5, 0.124)) * 2:
+        cost.add(n, seconds)
+    assert cost(3) == pytest.approx(0.078) and cost(4) == pytest.approx(0.117)
+    assert cost(8) == pytest.approx(cost.t0 + 8 * cost.t1)  # unmeasured: the line
