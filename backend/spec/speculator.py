@@ -170,9 +170,10 @@ class Speculator:
 
     def _catch_up_rows(self, batch: ScheduledBatch, budget: int) -> list[tuple[Request, int]]:
         """(request, end) for requests of this step that do not speculate and whose draft is behind
-        what the target will have computed after it (a prompt chunk, or tokens missed while
-        speculation was off): the draft reads up to `end`, at most `budget` tokens in all. The
-        last known token is left for the forward that proposes from it."""
+        (a prompt chunk, or tokens missed while speculation was off): the draft reads up to `end`,
+        as far as the proposer can (`catch_up_end`: a draft model alongside the target's chunk,
+        short of the last known token; an EAGLE head to what the target has computed), at most
+        `budget` tokens in all."""
         rows = []
         for r, n in zip(batch.requests, batch.num_scheduled_tokens):
             if budget <= 0:
