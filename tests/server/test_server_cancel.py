@@ -327,18 +327,33 @@ def test_leaving_an_llm_stream_early_stops_the_request(server, protocol):
     _stopped_within_a_second(server, before)
 
 
+def _as_a_shell_starts_it() -> None:
+    """SIGINT at its default and not blocked, as a shell starts a command: a child inherits the
+    disposition and the mask of the process that starts it, and after the model tests the test
+    process has SIGINT ignored (set by a library they use), where Python installs no Ctrl-C handler."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_in_the_cli_stops_the_request(server):
     before = server.wait_for_metrics(_idle)
     params = _long_llm_request(server)
     cli = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "Once upon a time", "--url", server.grpc_url,
+        [sys.executable, "-X", "faulthandler", "-m", "client.cli", "Once upon a time", "--url", server.grpc_url,
          "--max-tokens", str(params["max_tokens"]), "--ignore-eos", "--temperature", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[2],
+        preexec_fn=_as_a_shell_starts_it,
     )
     try:
         assert cli.stdout.read(8)  # it is streaming
         cli.send_signal(signal.SIGINT)
-        assert cli.wait(timeout=10) == 130
+        try:
+            code = cli.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            cli.send_signal(signal.SIGABRT)  # faulthandler prints where every thread is
+            cli.wait(timeout=10)
+            code = None
+        assert code == 130, cli.stderr.read().decode(errors="replace")[-6000:]
     finally:
         cli.kill()
     _stopped_within_a_second(server, before)
