@@ -157,20 +157,25 @@ def _parameter_for(model: LlamaForCausalLM, name: str) -> tuple[str, slice | Non
     return f"{parent}.{packed}.{kind}", module.shard_rows(shard)
 
 
-def _whole_tensor(model_dir: Path, name: str) -> torch.Tensor:
+def _weight_file(model_dir: Path, name: str) -> Path | None:
+    """The checkpoint file that holds tensor `name`, or None."""
     for file in _weight_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             if name in f.keys():
-                return f.get_tensor(name)
-    raise ValidationError("model", f"no {name!r} in {model_dir}")
+                return file
+    return None
+
+
+def _whole_tensor(model_dir: Path, name: str) -> torch.Tensor:
+    file = _weight_file(model_dir, name)
+    if file is None:
+        raise ValidationError("model", f"no {name!r} in {model_dir}")
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return f.get_tensor(name)
 
 
 def _has_weight(model_dir: Path, name: str) -> bool:
-    for file in _weight_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            if name in f.keys():
-                return True
-    return False
+    return _weight_file(model_dir, name) is not None
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
