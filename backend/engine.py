@@ -33,6 +33,8 @@ from backend.config import EngineConfig
 from backend.core.block_manager import BlockManager
 from backend.core.detokenizer import IncrementalDetokenizer
 from backend.core.fault_injection import FaultHook
+from backend.core.grammar_compiler import GrammarCompiler
+from backend.core.guide import Guide
 from backend.core.output_processor import OutputProcessor
 from backend.core.request import Request, RequestStatus
 from backend.core.request_limits import RequestLimits
@@ -162,7 +164,9 @@ class LLMEngine:
         if eagle:  # written by the target's forwards, read by the head's (padding rows write the last)
             model.feature_pool = self.draft_model.feature_pool = torch.zeros(
                 self.num_blocks * config.block_size + 1, model.args.hidden_size, dtype=self.dtype, device=self.device)
-        self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.num_blocks)
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.num_blocks,
+                                    tuple(sorted(self.eos_token_ids)))
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.host_waits = HostWaits()  # every wait of the host for the device, per step
@@ -245,7 +249,11 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValidationError; compiles a constraint (in the caller's thread, cached for
+        add_request)."""
         self.limits.validate(prompt_ids, params)
+        if params.guided_decoding is not None:
+            self.grammars.compile(params.guided_decoding)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         self.validate(prompt_ids, params)
@@ -253,6 +261,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValidationError("request_id", f"{request_id!r} is already running")
         request = Request(request_id, list(prompt_ids), params, eos_token_ids=self.eos_token_ids)
+        if params.guided_decoding is not None:
+            request.guide = Guide(self.grammars.compile(params.guided_decoding))
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
         self.requests[request_id] = request
         self.scheduler.add(request)

@@ -5,10 +5,14 @@ inside a step: integers are bounded (no 64-bit overflow in a tensor), floats are
 temperature follows vLLM's rule (below 1e-5 is greedy; up to 1e-2 is raised to 1e-2, where the
 softmax stays finite), the repetition penalty keeps vLLM's upper bound and a lower bound that cannot
 overflow the logits. Token ids are checked against the vocabulary by the engine, which knows it.
+`guided_decoding` is checked for its shape here (one constraint, within size bounds); whether the
+schema, regex or grammar compiles is checked by the engine, which has the tokenizer
+(backend/core/grammar_compiler.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +28,17 @@ MAX_REPETITION_PENALTY = 2.0  # vLLM's bound
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+MAX_GUIDE_CHARS = 65536  # a JSON schema, regex or grammar
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+# vLLM's guided decoding (StructuredOutputsParams): one of these constraints ...
+GUIDE_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# ... and its other keys, accepted at the values that change nothing here (the backend is xgrammar)
+GUIDE_OFF_VALUES: dict[str, tuple] = {
+    "backend": (None, "", "auto", "xgrammar", "xgrammar:no-fallback"),
+    "whitespace_pattern": (None,), "structural_tag": (None,), "disable_fallback": (None, False, True),
+    "disable_any_whitespace": (None, False), "disable_additional_properties": (None, False),
+}
 
 
 @dataclass(slots=True)
@@ -43,6 +58,10 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stops are suppressed before this many output tokens
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token + top-n
     speculative: bool = True  # per-request opt-out of speculative decoding
+    # the output must match one constraint, vLLM's keys: {"json": schema} (a dict, or its JSON text),
+    # {"regex": str}, {"choice": [str, ...]}, {"grammar": EBNF str}, {"json_object": true};
+    # normalized to {kind: text}, a choice to its list, json_object to True
+    guided_decoding: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
@@ -71,6 +90,10 @@ class SamplingParams:
         for name in ("ignore_eos", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValidationError(name, f"must be a boolean, got {abbreviate(getattr(self, name))}")
+        if self.guided_decoding is not None:
+            self.guided_decoding = _check_guide(self.guided_decoding)
+            if self.ignore_eos or self.min_tokens:  # the constraint decides where the output may end
+                raise ValidationError("guided_decoding", "cannot be combined with ignore_eos or min_tokens")
 
     @property
     def greedy(self) -> bool:
@@ -124,6 +147,50 @@ def _check_list(name: str, value: Any, max_len: int) -> list:
     if len(value) > max_len:
         raise ValidationError(name, f"must hold at most {max_len} items, got {len(value)}")
     return list(value)
+
+
+def _check_guide(value: Any) -> dict[str, Any]:
+    """vLLM's guided_decoding object (or its JSON text, as vllm_backend takes it) -> {kind: value}."""
+    name = "guided_decoding"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError):
+            raise ValidationError(name, "must be a JSON object") from None
+    if not isinstance(value, dict):
+        raise ValidationError(name, f"must be an object with one of {', '.join(GUIDE_KINDS)}, got {abbreviate(value)}")
+    for key, v in value.items():
+        if key not in GUIDE_KINDS and key not in GUIDE_OFF_VALUES:
+            raise ValidationError(name, f"unknown key {abbreviate(key)}; allowed: "
+                                        f"{', '.join(GUIDE_KINDS + tuple(GUIDE_OFF_VALUES))}")
+        if key in GUIDE_OFF_VALUES and v not in GUIDE_OFF_VALUES[key]:
+            raise ValidationError(name, f"{key} must be one of {list(GUIDE_OFF_VALUES[key])}, got {abbreviate(v)}")
+    kinds = [k for k in GUIDE_KINDS if value.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise ValidationError(name, f"must set exactly one of {', '.join(GUIDE_KINDS)}, got {len(kinds)}")
+    kind, v = kinds[0], value[kinds[0]]
+    if kind == "json_object":
+        if v is not True:
+            raise ValidationError(name, f"json_object must be true, got {abbreviate(v)}")
+        return {kind: True}
+    if kind == "choice":
+        choices = _check_list(f"{name}.choice", v, MAX_CHOICES)
+        if not choices or not all(isinstance(c, str) and 1 <= len(c) <= MAX_CHOICE_CHARS for c in choices):
+            raise ValidationError(name, f"choice must be 1 to {MAX_CHOICES} strings of 1 to {MAX_CHOICE_CHARS} "
+                                        f"characters, got {abbreviate(v)}")
+        return {kind: choices}
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise ValidationError(name, f"json is not valid JSON: {getattr(e, 'msg', 'too deep')}") from None
+        if not isinstance(v, (dict, bool)):
+            raise ValidationError(name, f"json must be a JSON Schema (an object), got {abbreviate(v)}")
+        v = json.dumps(v)  # its text (property order kept: the output follows it) is the cache key
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_GUIDE_CHARS:
+        raise ValidationError(name, f"{kind} must be a string of 1 to {MAX_GUIDE_CHARS} characters, got {abbreviate(v)}")
+    return {kind: v}
 
 
 def _check_stop(value: Any) -> list[str]:

@@ -76,6 +76,8 @@ class OutputProcessor:
         detok = request.detokenizer
         p = request.params
         for token, lp in zip(tokens, logprobs):
+            if request.guide is not None:
+                request.guide.accept(token)
             request.output_token_ids.append(token)
             if lp is not None:
                 request.pending_logprobs.append(lp)

@@ -13,6 +13,7 @@ from backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from backend.core.detokenizer import IncrementalDetokenizer
+    from backend.core.guide import Guide
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +66,7 @@ class Request:
     cumulative_logprob: float = 0.0  # the chosen tokens' logprobs summed (when logprobs are on)
     num_preemptions: int = 0
     error: str | None = None
+    guide: Guide | None = None  # its grammar state, when params.guided_decoding constrains it
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

@@ -18,6 +18,7 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
+    eos_token_ids: tuple[int, ...] = ()  # a constraint's stop tokens (guided decoding)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

@@ -25,6 +25,7 @@ from backend.config import EngineConfig
 from backend.core.fault_injection import fault_hook_from_env
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
+from backend.errors import ValidationError
 from backend.outputs import RequestOutput
 from backend.parallel import wire
 from backend.process import core_messages
@@ -97,6 +98,11 @@ def serve(config: EngineConfig, requests_address: str, outputs_address: str, par
             log.error("dropped a message on the requests socket: %s", e)
             continue
         if isinstance(message, AddRequest):
+            if message.params.guided_decoding is not None:  # compiled here, not in a step (the client checked it)
+                try:
+                    engine.grammars.compile(message.params.guided_decoding)
+                except ValidationError:
+                    pass  # add_request raises it again: the request ends with it
             loop.add(message.request_id, message.prompt_ids, message.params, on_output)
         elif isinstance(message, AbortRequest):
             loop.abort(message.request_id)

@@ -20,6 +20,7 @@ import zmq
 
 from backend.child_process import private_directory, remove_directory, start_module
 from backend.config import EngineConfig
+from backend.core.grammar_compiler import GrammarCompiler
 from backend.core.request_limits import RequestLimits
 from backend.engine_loop import OutputCallback
 from backend.errors import ENGINE_DEAD, EngineDeadError
@@ -47,13 +48,16 @@ SHUTDOWN_GRACE_S = 30.0
 class EngineCoreFacts:
     """What the adapter asks of `loop.engine`, from the core's reports."""
 
-    def __init__(self, limits: RequestLimits, stats: EngineStats):
+    def __init__(self, limits: RequestLimits, stats: EngineStats, tokenizer: str):
         self.limits = limits
         self.max_model_len = limits.max_model_len
         self._stats = stats
+        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, limits.eos_token_ids)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.limits.validate(prompt_ids, params)
+        if params.guided_decoding is not None:  # a bad constraint is refused here, as in-process
+            self.grammars.compile(params.guided_decoding)
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -61,6 +65,7 @@ class EngineCoreFacts:
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig):
+        self.config = config
         self.context = zmq.Context()
         self.directory = private_directory("core")
         requests, outputs = f"ipc://{self.directory}/requests", f"ipc://{self.directory}/outputs"
@@ -89,7 +94,7 @@ class EngineCoreClient:
         while waited < STARTUP_TIMEOUT_S:
             message = self._poll()
             if isinstance(message, Ready):
-                return EngineCoreFacts(message.limits, message.stats)
+                return EngineCoreFacts(message.limits, message.stats, self.config.tokenizer)
             if isinstance(message, Failed):
                 self._stop_process()
                 raise RuntimeError(f"the engine core failed to start: {message.message}")

@@ -4,12 +4,22 @@ min-p, seeded draws, and the verification of draft tokens (rejection_sampler.py)
 Rows, draws and per-request faults are laid out by backend/sample/sampling_metadata.py. Sampling is exact:
 inverse-CDF sampling, one uniform draw per token. Nothing here reads back to the host: the engine
 copies `SamplerOutput` back asynchronously.
+
+Guided decoding: a constrained row's logits are set to -inf where its grammar forbids the token,
+before temperature and the filters, so the row samples from p' = norm(p * m), m the row's 0/1
+mask (greedy: the argmax of the masked logits). With speculation the drafts are verified against
+p' exactly as against p (rejection_sampler.py): draft d_i, drawn from any q_i, is kept with
+probability min(1, p'_i(d_i) / q_i(d_i)), and a rejection draws from norm(max(0, p'_i - q_i)), so
+each kept token is distributed as p'_i. A draft the grammar forbids has p'_i(d_i) = 0 and is always
+rejected, and the residual is 0 wherever p'_i is, so no forbidden token is ever drawn. So constrained speculative output follows the constrained
+target exactly, and greedy constrained output is the same with and without speculation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import xgrammar
 
 from backend.sample.rejection_sampler import (
     PLACEHOLDER_TOKEN,
@@ -21,8 +31,8 @@ from backend.uploads import on_device
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Repetition, frequency and presence penalties, then the EOS/stop-token mask before
-    min_tokens. logits: [R, vocab] float32, changed in place."""
+    """Repetition, frequency and presence penalties, the EOS/stop-token mask before min_tokens,
+    then the grammars' masks (guided decoding). logits: [R, vocab] float32, changed in place."""
     pen = meta.penalties
     if pen is not None:
         counts = torch.zeros_like(logits).index_put_(
@@ -37,6 +47,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     if meta.banned_rows is not None:
         # new_full is a fill on the device: no copy from pageable host memory, no wait
         logits.index_put_((meta.banned_rows, meta.banned_tokens), logits.new_full((), float("-inf")))
+    if meta.grammar_bitmask is not None:  # tokens the grammar forbids: -inf
+        xgrammar.apply_token_bitmask_inplace(logits, meta.grammar_bitmask, vocab_size=logits.shape[1],
+                                             indices=meta.grammar_rows)
     return logits
 
 

@@ -7,6 +7,12 @@ min_tokens). Uniform draws are made here, from the request's own generator when 
 for its draft tokens, then one for its last token, in that order) and from the engine's otherwise,
 so a seeded request's tokens do not depend on its batch-mates. Greedy requests draw nothing.
 
+A constrained request (guided decoding) gets its rows' allowed-token bitmasks from its grammar
+state (backend/core/guide.py): `grammar_bitmask` [R, ceil(vocab / 32)] int32 and the rows it
+applies to, `grammar_rows`; both None when no row is constrained, so unconstrained steps pay
+nothing. The draft model's own sampling (constrain=False) is not masked: its drafts are verified
+against the masked target, which keeps the output exact (sampler.py).
+
 A request whose rows cannot be built (a stop token id past the vocabulary) gets neutral rows and
 its exception in `errors`: it fails alone.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import xgrammar
 
 from backend.core.request import Request
 from backend.errors import is_fatal
@@ -79,6 +86,8 @@ class SamplingMetadata:
     banned_tokens: torch.Tensor | None
     uniform_drafts: torch.Tensor  # [D] float32: accept draft token j when u_j q(d_j) < p(d_j)
     uniform_last: torch.Tensor  # [B] float32: draws the recovered or bonus token
+    grammar_bitmask: torch.Tensor | None = None  # [R, ceil(vocab / 32)] int32: allowed tokens, 1 bits
+    grammar_rows: list[int] | None = None  # the rows it applies to; None: every row (or none, without a bitmask)
 
 
 @dataclass(slots=True)
@@ -98,10 +107,12 @@ def build_sampling_metadata(
     vocab_size: int,
     generator: torch.Generator,  # the engine's, for requests without a seed
     device: torch.device,
+    constrain: bool = True,  # apply the requests' grammars (the target's rows; not the draft's)
 ) -> SamplingMetadata:
     num_drafts = [len(d) for d in drafts]
     max_k = max(num_drafts, default=0)
-    if max_k == 0 and all(_plain_greedy(r) for r in requests):
+    constrained = [b for b, r in enumerate(requests) if r.guide is not None] if constrain else []
+    if max_k == 0 and not constrained and all(_plain_greedy(r) for r in requests):
         return _plain_greedy_metadata(requests, device)
     errors: dict[str, Exception] = {}
     temperature, top_k, top_p, min_p, greedy = [], [], [], [], []
@@ -109,6 +120,9 @@ def build_sampling_metadata(
     out_rows, out_tokens, prompt_rows, prompt_tokens, banned_rows, banned_tokens = [], [], [], [], [], []
     logprob_rows, max_logprobs = [], 0
     first_rows, draft_offsets, draft_request, draft_position, row_slot = [], [], [], [], []
+    num_rows = sum(num_drafts) + len(requests)
+    bitmask = xgrammar.allocate_token_bitmask(num_rows, vocab_size) if constrained else None
+    grammar_rows: list[int] = []
     seeded_draws: list[tuple[int, torch.Tensor]] = []  # (request index, its k + 1 uniforms)
     unseeded: list[int] = []  # request indices drawing from the engine's generator
     row = 0
@@ -138,6 +152,9 @@ def build_sampling_metadata(
                 if n_out + i < p.min_tokens and banned:
                     own[4].extend([row + i] * len(banned))
                     own[5].extend(banned)
+            if bitmask is not None and request.guide is not None:
+                request.guide.fill_rows(bitmask, row, draft)
+                grammar_rows += range(row, row + k + 1)
             rows = _Rows(p.temperature if not p.greedy else 1.0, p.top_k, p.top_p, p.min_p, p.greedy)
             penalties = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
         except Exception as e:
@@ -145,6 +162,7 @@ def build_sampling_metadata(
                 raise
             errors[request.request_id] = e
             rows, penalties, own = _Rows(), (1.0, 0.0, 0.0), ([], [], [], [], [], [])
+            grammar_rows = [r for r in grammar_rows if r < row]
         for flat, mine in zip((out_rows, out_tokens, prompt_rows, prompt_tokens, banned_rows, banned_tokens), own):
             flat.extend(mine)
         if p.logprobs is not None and request.request_id not in errors:
@@ -223,13 +241,15 @@ def build_sampling_metadata(
         banned_tokens=ints_t[i_banned[1]] if i_banned else None,
         uniform_drafts=floats_t[f_u_drafts],
         uniform_last=floats_t[f_u_last],
+        grammar_bitmask=on_device(bitmask, device, torch.int32) if grammar_rows else None,
+        grammar_rows=None if len(grammar_rows) == num_rows else grammar_rows,
     )
 
 
 def _plain_greedy(request: Request) -> bool:
     """Its token is the argmax of the raw logits: nothing to penalise, mask or report."""
     p = request.params
-    return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+    return (request.guide is None and p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
             and request.num_output_tokens >= p.min_tokens and p.logprobs is None)
 
 

@@ -98,7 +98,7 @@ class DraftProposer:
         engine's sampler; appends it to drawn[i] and its distribution to probs[i]. Returns the tokens."""
         drafting = [requests[i] for i in active]
         meta = build_sampling_metadata(drafting, [[] for _ in active], self.vocab_size, self.sampler.generator,
-                                       logits.device)
+                                       logits.device, constrain=False)  # drafts are verified against the grammar
         out = self.sampler(logits, meta)
         tokens = out.token_ids[:, 0]
         for row, i in enumerate(active):

@@ -1,0 +1,136 @@
+"""Guided decoding's constraints compiled into token-level grammars (xgrammar), once per text.
+
+A request's `guided_decoding` (backend/sampling_params.py: {kind: text}) becomes an xgrammar
+CompiledGrammar over the target's vocabulary: for any prefix of the output, the set of tokens that
+keep it a prefix of a string the constraint accepts, and whether the output may end there (the
+engine's EOS tokens are the grammar's stop tokens: EOS is allowed only where the grammar can end).
+
+    json         a JSON Schema (xgrammar's JSON Schema converter, strict: no properties beyond
+                 the schema's unless it says so)
+    json_object  any JSON object
+    regex        a regular expression the whole output matches
+    choice       one of the strings, exactly
+    grammar      an EBNF grammar (GBNF, xgrammar's dialect) whose rule `root` the output matches
+
+Compiled grammars are cached by (kind, text): the same schema sent again compiles in microseconds.
+`compile` runs where a request arrives (EngineLoop.submit, in the caller's thread), never in a
+step: a cold JSON Schema takes some 20 ms, which would stall every request in the batch.
+A constraint that does not compile (a schema that is not one, a regex or grammar with a syntax
+error, a regex no string matches) is a ValidationError naming `guided_decoding`.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import re
+import threading
+
+import xgrammar
+
+from backend.errors import ValidationError
+
+CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
+
+
+class GrammarCompiler:
+    """`tokenizer`: the target's (or its directory, loaded on first use). The vocabulary is read
+    on the first compile (a few hundred ms), so engines that never see a constraint pay nothing."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int] | tuple[int, ...],
+                 cache_size: int = CACHE_SIZE):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self.cache: collections.OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = collections.OrderedDict()
+        self.cache_size = cache_size
+        self.lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @property
+    def compiler(self) -> xgrammar.GrammarCompiler:
+        with self.lock:
+            if self._compiler is None:
+                tokenizer = self.tokenizer
+                if isinstance(tokenizer, str):
+                    from transformers import AutoTokenizer
+                    tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                               stop_token_ids=self.stop_token_ids)
+                # one compiling thread: compilation shares the host with the engine's steps
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def compile(self, guide: dict) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of a validated `guided_decoding` ({kind: value})."""
+        (kind, value), = guide.items()
+        key = (kind, value if isinstance(value, str) else json.dumps(value))
+        with self.lock:
+            compiled = self.cache.get(key)
+            if compiled is not None:
+                self.cache.move_to_end(key)
+                self.hits += 1
+                return compiled
+        compiled = self._compile(kind, value)  # outside the lock: others' cache hits do not wait
+        with self.lock:
+            self.misses += 1
+            self.cache[key] = compiled
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, value) -> xgrammar.CompiledGrammar:
+        try:
+            if kind == "json":
+                compiled = self.compiler.compile_json_schema(value, any_whitespace=False, strict_mode=True)
+            elif kind == "json_object":
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(value)
+            elif kind == "choice":
+                compiled = self.compiler.compile_grammar(choice_grammar(value))
+            else:
+                compiled = self.compiler.compile_grammar(value, root_rule_name="root")
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValidationError("guided_decoding", f"{kind} does not compile: {_first_line(e)}") from None
+        if _matches_nothing(compiled):
+            raise ValidationError("guided_decoding", f"{kind} matches no output")
+        return compiled
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar accepting exactly one of `choices`."""
+    return "root ::= " + " | ".join(_ebnf_string(c) for c in choices)
+
+
+def _ebnf_string(text: str) -> str:
+    """`text` as an EBNF string literal: quotes and backslashes escaped, control and non-ASCII
+    characters as \\uXXXX."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 32 <= ord(ch) < 127:
+            out.append(ch)
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    return '"' + "".join(out) + '"'
+
+
+def _matches_nothing(compiled: xgrammar.CompiledGrammar) -> bool:
+    """No token, and not the end either, is allowed at the start: no output can satisfy it."""
+    matcher = xgrammar.GrammarMatcher(compiled)
+    bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return not bool(bitmask.any())
+
+
+def _first_line(error: Exception) -> str:
+    """The library's message, without its time stamp and source location."""
+    lines = str(error).strip().splitlines()
+    return _LOCATION.sub("", lines[0] if lines else type(error).__name__)[:300]
+
+
+_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # "[13:13:46] /project/cpp/regex_converter.cc:83: "
