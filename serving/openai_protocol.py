@@ -3,8 +3,9 @@
 Plain Python (no web framework): `completion_inputs` / `chat_inputs` validate an OpenAI request
 body and return `llm`'s inputs (an OpenAIError, status 400, names the parameter otherwise);
 `Accumulator` gathers `llm`'s responses into OpenAI's text, finish reason, usage and logprobs.
-What OpenAI has and this server does not (n > 1, best_of, tools, response_format, logit_bias, ...)
-is a 400 naming the parameter, as OpenAI does for a value it refuses.
+`response_format` (json_object, json_schema) becomes a guided-decoding constraint; `tools` and
+`tool_choice` are serving/tool_calls.py's. What OpenAI has and this server does not (n > 1,
+best_of, logit_bias, audio, ...) is a 400 naming the parameter, as OpenAI does for a value it refuses.
 """
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.tool_calls import ToolError, Tools, read_tools, render_messages
+
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's own limit
 UNSUPPORTED = {  # parameter -> the one value accepted
-    "n": 1, "best_of": 1, "logit_bias": None, "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "response_format": None, "suffix": None, "audio": None, "modalities": None,
-    "prediction": None, "parallel_tool_calls": None,
+    "n": 1, "best_of": 1, "logit_bias": None, "functions": None,
+    "function_call": None, "suffix": None, "audio": None, "modalities": None, "prediction": None,
 }
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "response_format")  # refused by completions
 VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")  # checked by `llm`
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
 
@@ -43,6 +46,15 @@ class GenerationRequest:
     include_usage: bool
     logprobs: int | None  # top-n per token, None: none
     echo_prompt: str | None  # completions with echo: the prompt text before the completion
+    guided_decoding: dict | None = None  # the output's constraint (response_format, a forced tool call)
+    tools: Tools | None = None  # the answer may be a tool call
+
+    def sampling_parameters(self) -> str | None:
+        """`llm`'s sampling_parameters input: what has no input of its own."""
+        values = {"logprobs": self.logprobs} if self.logprobs is not None else {}
+        if self.guided_decoding is not None:
+            values["guided_decoding"] = self.guided_decoding
+        return json.dumps(values) if values else None
 
 
 def completion_inputs(body: dict) -> GenerationRequest:
@@ -51,6 +63,9 @@ def completion_inputs(body: dict) -> GenerationRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise OpenAIError("prompt must be one non-empty string", param="prompt")
+    for name in CHAT_ONLY:
+        if body.get(name) is not None:
+            raise OpenAIError(f"{name} is a chat completions parameter", param=name)
     logprobs = _optional_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     echo = _optional_bool(body, "echo")
     return GenerationRequest(
@@ -67,7 +82,22 @@ def chat_inputs(body: dict) -> GenerationRequest:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise OpenAIError("each message needs a role", param=f"messages[{i}]")
-        chat.append({"role": message["role"], "content": _content(message.get("content"), i)})
+        calls = message.get("tool_calls") if message["role"] == "assistant" else None
+        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+            raise OpenAIError("tool_calls must be a list of calls", param=f"messages[{i}].tool_calls")
+        content = "" if calls and message.get("content") is None else _content(message.get("content"), i)
+        chat.append({"role": message["role"], "content": content} | ({"tool_calls": calls} if calls else {}))
+    try:
+        tools = read_tools(body)
+    except ToolError as e:
+        raise OpenAIError(str(e), param=e.param) from None
+    guide = _response_format(body.get("response_format"))
+    if tools is not None and tools.forced:
+        if guide is not None:
+            raise OpenAIError("response_format cannot be combined with a tool_choice that forces a call",
+                              param="response_format")
+        guide = tools.guided_decoding()
+    chat = render_messages(chat, tools)
     logprobs = None
     if _optional_bool(body, "logprobs"):
         logprobs = _optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
@@ -75,7 +105,27 @@ def chat_inputs(body: dict) -> GenerationRequest:
         raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return GenerationRequest({"messages": json.dumps(chat), **_sampling(body, max_tokens)}, _stream(body),
-                             _include_usage(body), logprobs, None)
+                             _include_usage(body), logprobs, None, guide, tools)
+
+
+def _response_format(value: Any) -> dict | None:
+    """OpenAI's response_format as a guided_decoding constraint; None for text."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict) or not isinstance(spec.get("name", ""), str) \
+                or not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise OpenAIError('json_schema must be {"name": str, "schema": {...}, "strict": bool}',
+                              param="response_format")
+        return {"json": schema}
+    raise OpenAIError('response_format type must be "text", "json_object" or "json_schema"', param="response_format")
 
 
 def _content(content: Any, index: int) -> str:

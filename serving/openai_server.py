@@ -54,6 +54,7 @@ from serving.openai_protocol import (
     completion_inputs,
     completion_logprobs,
 )
+from serving.tool_calls import ToolStream
 
 TRITON_MODEL = "llm"
 STOP_WAIT_S = 2.0  # a stopped request's last response is awaited this long before the stream closes
@@ -64,8 +65,10 @@ class TritonGeneration:
     """One `llm` request over its own gRPC stream, read by a task of its own; `stop()` sends the
     stop request on the stream and waits (STOP_WAIT_S at most) for the request to end."""
 
-    def __init__(self, client: aio_grpcclient.InferenceServerClient, inputs: dict[str, Any]):
+    def __init__(self, client: aio_grpcclient.InferenceServerClient, inputs: dict[str, Any],
+                 constraint: str = "response_format"):
         self.client = client
+        self.constraint = constraint  # the parameter a guided_decoding error is about
         self.request_id = uuid.uuid4().hex
         self.abort_key = str(inputs["abort_key"])  # request_inputs made a fresh one: only this server can stop it
         self.outgoing: asyncio.Queue = asyncio.Queue()  # requests to send; None ends the stream
@@ -105,6 +108,8 @@ class TritonGeneration:
         while True:
             item = await self.incoming.get()
             if isinstance(item, OpenAIError):
+                if item.param == "guided_decoding":
+                    item.param = self.constraint
                 raise item
             yield item
             if item["final"]:
@@ -226,16 +231,15 @@ async def _serve(request: Request, client, served_model: str, kind: str, parse) 
     inputs = request_inputs(**generation_request.inputs, stream=True, exclude_input_in_output=True,
                             return_finish_reason=True, return_num_input_tokens=True,
                             return_num_output_tokens=True, return_logprobs=generation_request.logprobs is not None,
-                            sampling_parameters=_logprobs_parameter(generation_request))
-    generation = TritonGeneration(client, inputs)
+                            sampling_parameters=generation_request.sampling_parameters())
+    # a constraint `llm` refuses is named as the client wrote it
+    constraint = "tool_choice" if generation_request.tools is not None and generation_request.tools.forced \
+        else "response_format"
+    generation = TritonGeneration(client, inputs, constraint)
     reply = Reply(kind, served_model, generation_request)
     if generation_request.stream:
         return StreamingResponse(_events(request, generation, reply), media_type="text/event-stream")
     return JSONResponse(await _whole(request, generation, reply))
-
-
-def _logprobs_parameter(request: GenerationRequest) -> str | None:
-    return None if request.logprobs is None else json.dumps({"logprobs": request.logprobs})
 
 
 async def _whole(request: Request, generation: TritonGeneration, reply: Reply) -> dict:
@@ -264,7 +268,10 @@ async def _events(request: Request, generation: TritonGeneration, reply: Reply) 
         yield _event(reply.chunk(role=True))
         async for outputs in generation.responses():
             delta = gathered.add(outputs)
-            if delta.text or delta.finish_reason or delta.logprobs:
+            if reply.tool_stream is not None:
+                for chunk in reply.tool_chunks(delta):
+                    yield _event(chunk)
+            elif delta.text or delta.finish_reason or delta.logprobs:
                 yield _event(reply.chunk(delta=delta, offset=offset))
             offset += len(delta.text)
         if reply.request.include_usage:
@@ -288,6 +295,7 @@ class Reply:
         self.kind, self.model, self.request = kind, model, request
         self.id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.tool_stream = ToolStream(request.tools) if request.tools is not None else None
 
     def _base(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -297,6 +305,13 @@ class Reply:
         choice: dict[str, Any] = {"index": 0, "finish_reason": gathered.finish_reason or "stop"}
         if self.kind == "chat.completion":
             choice["message"] = {"role": "assistant", "content": text}
+            if self.request.tools is not None:
+                content, calls = self.request.tools.parse(text)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content,
+                                         "tool_calls": [call.openai() for call in calls]}
+                    if choice["finish_reason"] == "stop":
+                        choice["finish_reason"] = "tool_calls"
             choice["logprobs"] = self._chat_logprobs(gathered.logprobs)
         else:
             prefix = self.request.echo_prompt or ""
@@ -317,6 +332,23 @@ class Reply:
         choice = {"index": 0, "text": text, "finish_reason": finish,
                   "logprobs": self._completion_logprobs(logprobs, offset) if logprobs else None}
         return self._base("text_completion") | {"choices": [choice]}
+
+    def tool_chunks(self, delta) -> list[dict]:
+        """A response's chunks when the answer may be a tool call (serving/tool_calls.py)."""
+        stream = self.tool_stream
+        deltas = stream.feed(delta.text)
+        if delta.finish_reason:
+            deltas += stream.finish()
+        chunks = [self._chat_chunk(d, None, self._chat_logprobs(delta.logprobs) if i == 0 and delta.logprobs else None)
+                  for i, d in enumerate(deltas)]
+        if delta.finish_reason:
+            finish = "tool_calls" if stream.called and delta.finish_reason == "stop" else delta.finish_reason
+            chunks.append(self._chat_chunk({}, finish, None))
+        return chunks
+
+    def _chat_chunk(self, message_delta: dict, finish: str | None, logprobs: dict | None) -> dict:
+        choice = {"index": 0, "delta": message_delta, "logprobs": logprobs, "finish_reason": finish}
+        return self._base("chat.completion.chunk") | {"choices": [choice]}
 
     def usage_chunk(self, gathered: Accumulator) -> dict:
         object_name = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"

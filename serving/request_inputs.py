@@ -72,12 +72,14 @@ OPTION_INPUTS = tuple(f.name for f in fields(RequestOptions) if f.name not in IN
 VLLM_ONLY_PARAMETERS: dict[str, Any] = {
     "n": 1, "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
     "prompt_logprobs": None, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
-    "structured_outputs": None, "guided_decoding": None, "lora_name": None, "truncate_prompt_tokens": None,
+    "lora_name": None, "truncate_prompt_tokens": None,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
     "detokenize": True,
 }
 MAX_SAMPLING_PARAMETERS_BYTES = 65536
-MAX_JSON_DEPTH = 8  # sampling_parameters needs 2 (an object of lists), messages 3
+MAX_JSON_DEPTH = 32  # sampling_parameters needs 2 (an object of lists), messages 3, a JSON Schema more
+# vLLM's other name for guided_decoding (its newer StructuredOutputsParams, as a JSON string or object)
+ALIASES = {"structured_outputs": "guided_decoding"}
 # Keys `sampling_parameters` accepts: every SamplingParams field and every option flag.
 SAMPLING_PARAMETER_KEYS = sorted(SamplingParams.field_names() | set(OPTION_INPUTS))
 _FIELD_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)} | {
@@ -198,6 +200,10 @@ def _known_values(source: str, values: dict[str, Any]) -> dict[str, Any]:
     """Sampling values by name, coerced; a vLLM-only feature at its "off" value is dropped."""
     known = {}
     for key, value in values.items():
+        if key in ALIASES:
+            if ALIASES[key] in values:
+                raise ValidationError(key, f"give {key} or {ALIASES[key]}, not both")
+            key = ALIASES[key]
         if key in VLLM_ONLY_PARAMETERS:
             off = VLLM_ONLY_PARAMETERS[key]
             if not (value is None or _same(_coerce_like(off, value), off)):

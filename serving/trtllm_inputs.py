@@ -8,7 +8,11 @@ strings, `top_k`/`top_p` 0 mean off, `return_log_probs` adds `cum_log_probs` and
 `output_log_probs`. What needs beams or returned logits (`beam_width` above 1, `length_penalty`,
 `bad_words`, embedding bias, context or generation logits, draft tokens) is refused with an
 INVALID_ARG naming the input, unless it is given at its "off" value; `pad_id` only pads batched
-outputs there and is accepted as is.
+outputs there and is accepted as is. Guided decoding as TensorRT-LLM takes it:
+`guided_decoding_guide_type` ("json": any JSON object, "json_schema", "regex", "ebnf_grammar")
+with the schema, regex or grammar in `guided_decoding_guide`. A streamed request sends its new
+tokens whatever `exclude_input_in_output` says, as TensorRT-LLM does (its end_to_end_grpc_client
+streams with the flag false).
 """
 from __future__ import annotations
 
@@ -29,12 +33,16 @@ OFF_ONLY = {  # input -> the one value accepted: a feature of beams or of return
 }
 EMPTY_ONLY = ("bad_words", "embedding_bias_words", "embedding_bias_weights")
 ACCEPTED = ("pad_id",)  # meaningless for one request: read and dropped
-KNOWN = set(SAME_NAME) | set(RENAMED) | set(OFF_ONLY) | set(EMPTY_ONLY) | set(ACCEPTED) | {"end_id", "return_log_probs"}
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
+GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
+KNOWN = (set(SAME_NAME) | set(RENAMED) | set(OFF_ONLY) | set(EMPTY_ONLY) | set(ACCEPTED) | set(GUIDE_INPUTS)
+         | {"end_id", "return_log_probs"})
 
 
 def llm_inputs(inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, bool]]:
     """`llm`'s inputs for a TensorRT-LLM request, and the request options its outputs need."""
     translated: dict[str, np.ndarray] = {}
+    sampling: dict = {}  # what goes in `sampling_parameters`
     options = {"return_batch_index": True}
     for name, value in inputs.items():
         if name not in KNOWN:
@@ -60,9 +68,7 @@ def llm_inputs(inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], di
             if any(w for w in value.reshape(-1)):
                 raise ValidationError(name, "is not supported here; send it empty or not at all")
         elif name == "end_id":
-            end_id = _one_int(name, value)
-            translated["sampling_parameters"] = np.array([json.dumps({"stop_token_ids": [end_id]}).encode()],
-                                                         dtype=np.object_)
+            sampling["stop_token_ids"] = [_one_int(name, value)]
         elif name == "return_log_probs":
             if value.size != 1:
                 raise ValidationError(name, f"must hold one value, got {value.size}")
@@ -71,7 +77,43 @@ def llm_inputs(inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], di
             options["return_output_log_probs"] = wanted
     if "max_tokens" not in translated:
         raise ValidationError("max_tokens", "required")
+    guide = _guide({name: inputs[name][0] for name in GUIDE_INPUTS if name in inputs})
+    if guide is not None:
+        sampling["guided_decoding"] = guide
+    if sampling:
+        translated["sampling_parameters"] = np.array([json.dumps(sampling).encode()], dtype=np.object_)
+    stream = translated.get("stream")
+    if stream is not None and stream.size == 1 and bool(stream.reshape(-1)[0]):
+        translated["exclude_input_in_output"] = np.array([True])  # streamed: the new tokens
     return translated, options
+
+
+def _guide(values: dict[str, np.ndarray]) -> dict | None:
+    """vLLM's guided_decoding for TensorRT-LLM's guide type and guide; None when no type is given."""
+    kind = _text("guided_decoding_guide_type", values["guided_decoding_guide_type"]) \
+        if "guided_decoding_guide_type" in values else ""
+    guide = _text("guided_decoding_guide", values["guided_decoding_guide"]) if "guided_decoding_guide" in values else ""
+    if not kind:
+        if guide:
+            raise ValidationError("guided_decoding_guide_type", f"required with a guide; one of {', '.join(GUIDE_TYPES)}")
+        return None
+    if kind not in GUIDE_TYPES:
+        raise ValidationError("guided_decoding_guide_type", f"must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
+    if kind == "json":
+        return {"json_object": True}
+    if not guide:
+        raise ValidationError("guided_decoding_guide", f"required with guided_decoding_guide_type {kind!r}")
+    return {GUIDE_TYPES[kind]: guide}
+
+
+def _text(name: str, value: np.ndarray) -> str:
+    if value.size != 1:
+        raise ValidationError(name, f"must hold one string, got {value.size}")
+    item = value.reshape(-1)[0]
+    try:
+        return item.decode("utf-8") if isinstance(item, bytes) else str(item)
+    except UnicodeDecodeError:
+        raise ValidationError(name, "is not valid UTF-8") from None
 
 
 def _one_int(name: str, value: np.ndarray) -> int:

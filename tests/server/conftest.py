@@ -184,3 +184,11 @@ def tokenizer(server):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(server.model_dir)
+
+
+@pytest.fixture(scope="session")
+def smol_server(tmp_path_factory) -> Server:
+    """The default model (SmolLM2-135M-Instruct) served as `make serve` serves it."""
+    server = start_test_server(tmp_path_factory.mktemp("smollm2"), "", model_dir=DEFAULT_MODEL)
+    yield server
+    server.handle.stop()

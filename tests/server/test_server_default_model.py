@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.stream import complete
 from scripts.chat_prompts import chat
-from tests.server.conftest import DEFAULT_MODEL, openai_server, start_test_server
+from tests.server.conftest import DEFAULT_MODEL, openai_server
 
 pytestmark = [
     pytest.mark.server,
@@ -19,13 +19,6 @@ pytestmark = [
 ]
 QUESTION = chat("What is the capital of France?")
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def smol_server(tmp_path_factory):
-    server = start_test_server(tmp_path_factory.mktemp("smollm2"), "", model_dir=DEFAULT_MODEL)
-    yield server
-    server.handle.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,228 @@
+"""Guided decoding through the interfaces users already have: vllm_backend's `guided_decoding`
+(and `structured_outputs`) sampling parameter on `llm` and `llm_bls`, TensorRT-LLM's
+`guided_decoding_guide_type` / `guided_decoding_guide` on `ensemble`, and OpenAI's
+`response_format` and `tools` with the official client on the default chat model. A constraint
+that cannot compile is INVALID_ARG (HTTP 400) naming the field; the server serves on."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from client.stream import GenerationError, complete
+from tests.server.conftest import DEFAULT_MODEL, openai_server
+from tests.server.test_server_trtllm_clients import _inputs, _run
+
+pytestmark = pytest.mark.server
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "size": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "size"]}
+REGEX = r"(def|class) [a-z_]{1,12}\(\)"
+needs_default_model = pytest.mark.skipif(not (DEFAULT_MODEL / "conversion.json").is_file(),
+                                         reason="run scripts/convert_default_model.py (make test does)")
+
+
+@pytest.mark.parametrize("model", ["llm", "llm_bls"])
+@pytest.mark.parametrize("form", ["object", "json_text", "structured_outputs"])
+def test_vllm_guided_decoding_parameter(server, model, form):
+    guide = {"json": SCHEMA}
+    key, value = ("structured_outputs", json.dumps(guide)) if form == "structured_outputs" else \
+        ("guided_decoding", json.dumps(guide) if form == "json_text" else guide)
+    for seed in range(3):
+        out = complete(server.grpc_url, "import os\n", model=model, max_tokens=120,
+                       sampling_parameters={key: value, "temperature": 1.0, "seed": seed, "return_finish_reason": True})
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert out.chunks[-1].finish_reason == "stop"
+
+
+def test_regex_and_choice_over_http_generate(server):
+    out = complete(server.http_url, "x = ", protocol="http", stream=False, max_tokens=40,
+                   sampling_parameters=json.dumps({"guided_decoding": {"regex": REGEX}, "temperature": 1.0, "seed": 3}))
+    assert re.fullmatch(REGEX, out.text)
+    out = complete(server.http_url, "x = ", protocol="http", stream=False, max_tokens=40,
+                   sampling_parameters=json.dumps({"guided_decoding": {"choice": ["alpha", "beta"]}}))
+    assert out.text in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("guide_type,guide,check", [
+    ("json_schema", json.dumps(SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    ("json", "", lambda t: isinstance(json.loads(t), dict)),
+    ("regex", REGEX, lambda t: re.fullmatch(REGEX, t)),
+    ("ebnf_grammar", 'root ::= "n = " [1-9] [0-9]{0,3}', lambda t: re.fullmatch(r"n = [1-9][0-9]{0,3}", t)),
+])
+def test_tensorrt_llm_guided_decoding_on_the_ensemble(server, guide_type, guide, check):
+    extra = {"guided_decoding_guide_type": np.array([[guide_type]], dtype=object),
+             "exclude_input_in_output": np.array([[True]])}
+    if guide:
+        extra["guided_decoding_guide"] = np.array([[guide]], dtype=object)
+    [result] = _run(server, _inputs(False, output_len=150, **extra))
+    assert not isinstance(result, InferenceServerException), result
+    assert check(result.as_numpy("text_output")[0].decode("utf-8"))
+
+
+def test_tensorrt_llm_streaming_with_exclude_input_in_output_false_streams_the_new_tokens(server):
+    """end_to_end_grpc_client.py -S sends exclude_input_in_output false; TensorRT-LLM streams
+    the new tokens."""
+    greedy = {"top_k": np.array([[1]], dtype=np.int32), "random_seed": np.array([[5]], dtype=np.uint64),
+              "exclude_input_in_output": np.array([[False]])}
+    results = _run(server, _inputs(True, **greedy))
+    assert not [r for r in results if isinstance(r, InferenceServerException)]
+    streamed = "".join(r.as_numpy("text_output")[0].decode("utf-8") for r in results)
+    assert streamed == complete(server.grpc_url, "def fibonacci(n):", max_tokens=12, top_k=1, seed=5).text
+
+
+BAD_GUIDES = {
+    "schema_not_json": ({"guided_decoding": {"json": "{not json"}}, "guided_decoding: json is not valid JSON"),
+    "schema_unsupported": ({"guided_decoding": {"json": {"type": "nonsense"}}}, "json does not compile"),
+    "regex_unsatisfiable": ({"guided_decoding": {"regex": "[^\\s\\S]"}}, "regex matches no output"),
+    "grammar_syntax_error": ({"guided_decoding": {"grammar": 'root ::= "a" |'}}, "grammar does not compile"),
+    "two_constraints": ({"guided_decoding": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+    "with_ignore_eos": ({"guided_decoding": {"regex": "a"}, "ignore_eos": True}, "cannot be combined"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_GUIDES)
+def test_a_bad_constraint_is_invalid_arg_naming_the_field(server, name):
+    values, expected = BAD_GUIDES[name]
+    with pytest.raises(GenerationError) as error:
+        complete(server.http_url, "x", protocol="http", stream=False, max_tokens=4,
+                 sampling_parameters=json.dumps(values))
+    assert error.value.status == "400" and expected in str(error.value)
+    with pytest.raises(GenerationError, match=re.escape(expected)):
+        complete(server.grpc_url, "x", max_tokens=4, sampling_parameters=values)
+    assert complete(server.grpc_url, "x", max_tokens=4, sampling_parameters={
+        "guided_decoding": {"choice": ["ok"]}}).text == "ok"  # serves on
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"guided_decoding_guide_type": "xml", "guided_decoding_guide": "a"}, "guided_decoding_guide_type"),
+    ({"guided_decoding_guide_type": "regex"}, "guided_decoding_guide"),
+    ({"guided_decoding_guide_type": "regex", "guided_decoding_guide": "[a-"}, "guided_decoding"),
+])
+def test_a_bad_tensorrt_llm_guide_is_refused_by_name(server, extra, field):
+    [error] = _run(server, _inputs(False, **{k: np.array([[v]], dtype=object) for k, v in extra.items()}))
+    assert isinstance(error, InferenceServerException) and f"{field}: " in error.message()
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}}}
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def openai_client(smol_server):
+    with openai_server(smol_server) as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+
+
+@needs_default_model
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_response_format_json_schema(openai_client, stream):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["city", "country"], "additionalProperties": False}
+    kwargs = dict(model="specserve", messages=[{"role": "user", "content": "Name a famous city and its country."}],
+                  max_tokens=60, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema,
+                                                                          "strict": True}})
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in openai_client.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    else:
+        text = openai_client.chat.completions.create(**kwargs).choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    reply = openai_client.chat.completions.create(**kwargs | {"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def _round_trip(client, tool_choice, stream: bool):
+    """Ask, get a call, send the tool's result back, get the answer. Returns (the call, the answer)."""
+    # one call: the small model, free to call in parallel, repeats its call until max_tokens
+    kwargs = dict(model="specserve", tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=80, temperature=0,
+                  parallel_tool_calls=False)
+    if stream:
+        chunks = list(client.chat.completions.create(messages=QUESTION, stream=True, **kwargs))
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        calls: dict[int, dict] = {}
+        for chunk in chunks:
+            for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                call["name"] += (delta.function.name or "") if delta.function else ""
+                call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        assert finish == ["tool_calls"]
+        [call] = calls.values()
+    else:
+        reply = client.chat.completions.create(messages=QUESTION, **kwargs)
+        assert reply.choices[0].finish_reason == "tool_calls"
+        [tool_call] = reply.choices[0].message.tool_calls
+        call = {"id": tool_call.id, "name": tool_call.function.name, "arguments": tool_call.function.arguments}
+    assert call["id"].startswith("call_")
+    arguments = json.loads(call["arguments"])
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call["name"]]
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    conversation = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"temperature": 21, "sky": "sunny"})},
+    ]
+    answer = client.chat.completions.create(model="specserve", messages=conversation, tools=[WEATHER, TIME],
+                                            tool_choice="none", max_tokens=60, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+    return call, answer.choices[0].message.content
+
+
+@needs_default_model
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_openai_tool_call_round_trip(openai_client, tool_choice, stream):
+    call, answer = _round_trip(openai_client, tool_choice, stream)
+    assert call["name"] == "get_weather" and "paris" in call["arguments"].lower()
+
+
+@needs_default_model
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_tool_choice_auto(openai_client, stream):
+    """The model decides; whatever it writes, the answer is a parsed call or plain content, the
+    same streamed as whole."""
+    kwargs = dict(model="specserve", messages=QUESTION, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=80,
+                  temperature=0)
+    whole = openai_client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c for c in openai_client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    if whole.message.tool_calls:
+        assert whole.finish_reason == "tool_calls" and chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert [(d.function.name, d.function.arguments) for d in calls] == [
+            (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    else:
+        assert not calls and content == whole.message.content and whole.finish_reason in ("stop", "length")
+
+
+@needs_default_model
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}}), "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+     "response_format"),
+    (dict(response_format={"type": "yaml"}), "response_format"),
+])
+def test_openai_bad_tools_and_formats_are_400_naming_the_parameter(openai_client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        openai_client.chat.completions.create(model="specserve", messages=QUESTION, max_tokens=8, **kwargs)
+    assert error.value.body["param"] == param
+    assert openai_client.chat.completions.create(model="specserve", messages=QUESTION, max_tokens=4).choices
