@@ -8,12 +8,27 @@ current state; with k draft tokens d_1..d_k to verify, row i at the state after 
 accepted tentatively and rolled back afterwards. A draft the grammar refuses ends the walk: the
 rows after it are left all-allowed, and are never used (the sampler rejects that draft, since its
 masked probability is 0, so no token comes from a later row); so are the rows after a draft that
-ends the grammar (a stop token: the request ends there).
+ends the grammar (a stop token: the request ends there). A request whose grammar has ended (its
+EOS landed, its row wasted in an overlapped step) keeps an all-allowed row.
 """
 from __future__ import annotations
 
 import torch
 import xgrammar
+
+
+_BATCH = xgrammar.BatchGrammarMatcher()  # fills many rows at once, on as many threads as the host has
+
+
+def fill_masks(bitmask: torch.Tensor, rows: list[tuple[Guide, int, list[int]]]) -> None:
+    """Every constrained request's rows of a step: (its guide, its first row, its drafts). The
+    rows without drafts (most) are filled in one call across the host's cores."""
+    plain = [(guide, row) for guide, row, drafts in rows if not drafts and not guide.is_terminated]
+    if plain:
+        _BATCH.batch_fill_next_token_bitmask([guide.matcher for guide, _ in plain], bitmask, [row for _, row in plain])
+    for guide, row, drafts in rows:
+        if drafts:
+            guide.fill_rows(bitmask, row, drafts)
 
 
 class GuideError(RuntimeError):

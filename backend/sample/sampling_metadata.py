@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar
 
+from backend.core.guide import Guide, fill_masks
 from backend.core.request import Request
 from backend.errors import is_fatal
 from backend.uploads import on_device
@@ -123,6 +124,7 @@ def build_sampling_metadata(
     num_rows = sum(num_drafts) + len(requests)
     bitmask = xgrammar.allocate_token_bitmask(num_rows, vocab_size) if constrained else None
     grammar_rows: list[int] = []
+    guided: list[tuple[Guide, int, list[int]]] = []  # (guide, first row, drafts) of each constrained request
     seeded_draws: list[tuple[int, torch.Tensor]] = []  # (request index, its k + 1 uniforms)
     unseeded: list[int] = []  # request indices drawing from the engine's generator
     row = 0
@@ -153,7 +155,7 @@ def build_sampling_metadata(
                     own[4].extend([row + i] * len(banned))
                     own[5].extend(banned)
             if bitmask is not None and request.guide is not None:
-                request.guide.fill_rows(bitmask, row, draft)
+                guided.append((request.guide, row, draft))
                 grammar_rows += range(row, row + k + 1)
             rows = _Rows(p.temperature if not p.greedy else 1.0, p.top_k, p.top_p, p.min_p, p.greedy)
             penalties = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
@@ -163,6 +165,7 @@ def build_sampling_metadata(
             errors[request.request_id] = e
             rows, penalties, own = _Rows(), (1.0, 0.0, 0.0), ([], [], [], [], [], [])
             grammar_rows = [r for r in grammar_rows if r < row]
+            guided = [g for g in guided if g[1] < row]
         for flat, mine in zip((out_rows, out_tokens, prompt_rows, prompt_tokens, banned_rows, banned_tokens), own):
             flat.extend(mine)
         if p.logprobs is not None and request.request_id not in errors:
@@ -183,6 +186,8 @@ def build_sampling_metadata(
             else:
                 unseeded.append(b)
         row += k + 1
+    if guided:
+        fill_masks(bitmask, guided)
     # the draws: k_b for the draft tokens, then the last token's, per sampled request
     uniform_drafts = torch.zeros(len(draft_request))
     uniform_last = torch.zeros(len(requests))

@@ -237,3 +237,21 @@ def test_guided_decoding_cannot_be_combined_with_ignore_eos_or_min_tokens():
     for extra in (dict(ignore_eos=True), dict(min_tokens=2)):
         with pytest.raises(ValidationError, match="cannot be combined"):
             SamplingParams(guided_decoding={"regex": "a+"}, **extra)
+
+
+def test_a_constraint_compiles_in_the_submitting_thread_not_in_a_step():
+    """EngineLoop.submit compiles (or refuses) before the engine thread sees the request; the
+    engine thread's add_request finds it cached."""
+    from backend.engine_loop import EngineLoop
+
+    eng = engine(PAIR / "target")
+    loop = EngineLoop(eng)  # not started: nothing runs on an engine thread
+    with pytest.raises(ValidationError, match="regex does not compile"):
+        loop.submit([5, 6], SamplingParams(guided_decoding={"regex": "[a-"}), lambda out: None)
+    loop.submit([5, 6], SamplingParams(max_tokens=4, guided_decoding={"json": SCHEMAS[1]}), lambda out: None)
+    assert eng.grammars.misses == 1 and not eng.requests
+    outputs = []
+    loop.start()
+    loop.submit([5, 6], SamplingParams(max_tokens=40, guided_decoding={"json": SCHEMAS[1]}), outputs.append)
+    loop.shutdown()
+    assert eng.grammars.misses == 1 and eng.grammars.hits >= 2
