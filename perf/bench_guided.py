@@ -49,24 +49,17 @@ class MaskTimer:
 
     def __init__(self):
         self.seconds = 0.0
-        fill, apply = metadata_module.fill_masks, xgrammar.apply_token_bitmask_inplace
+        metadata_module.fill_masks = self.timed(metadata_module.fill_masks)
+        sampler_module.xgrammar.apply_token_bitmask_inplace = self.timed(xgrammar.apply_token_bitmask_inplace)
 
-        def timed_fill(*args, **kwargs):
+    def timed(self, function):
+        def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return fill(*args, **kwargs)
+                return function(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
-
-        def timed_apply(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return apply(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        metadata_module.fill_masks = timed_fill
-        sampler_module.xgrammar.apply_token_bitmask_inplace = timed_apply
+        return wrapper
 
 
 def run(engine: LLMEngine, batch: int, constrained: int, max_tokens: int, timer: MaskTimer,

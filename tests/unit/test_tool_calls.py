@@ -1,0 +1,114 @@
+"""OpenAI tools for a template without tools (serving/tool_calls.py): rendering, constraints,
+parsing whole and streamed answers, and the requests OpenAI refuses."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving.openai_protocol import OpenAIError, chat_inputs
+from serving.tool_calls import ToolError, ToolStream, read_tools, render_messages
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def tools(choice="auto", parallel=None):
+    return read_tools({"tools": [WEATHER, TIME], "tool_choice": choice, "parallel_tool_calls": parallel})
+
+
+def test_tools_go_into_the_system_prompt_and_calls_and_results_are_written_back():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'}]
+    rendered = render_messages(messages, tools())
+    assert rendered[0]["role"] == "system" and rendered[0]["content"].startswith("Be brief.\n\n")
+    assert '"name": "get_weather"' in rendered[0]["content"] and "<tools>" in rendered[0]["content"]
+    assert rendered[2] == {"role": "assistant", "content": CALL}
+    assert rendered[3] == {"role": "user", "content": '<tool_response>\n{"sky": "sunny"}\n</tool_response>'}
+    assert render_messages(messages[1:2], tools())[0]["role"] == "system"  # a system turn is added
+    assert render_messages(messages[1:2], None) == [messages[1]]
+
+
+def test_forced_calls_become_json_schema_constraints():
+    named = tools({"type": "function", "function": {"name": "get_time"}})
+    assert named.guided_decoding() == {"json": TIME["function"]["parameters"]}
+    required = tools("required", parallel=False).guided_decoding()["json"]
+    assert required["maxItems"] == 1 and required["minItems"] == 1
+    assert [c["properties"]["name"] for c in required["items"]["anyOf"]] == [{"const": "get_weather"},
+                                                                           {"const": "get_time"}]
+    assert "maxItems" not in tools("required").guided_decoding()["json"]
+    assert tools("auto").guided_decoding() is None
+
+
+def test_parsing_whole_answers():
+    content, [call] = tools().parse("Let me check.\n" + CALL)
+    assert content == "Let me check." and (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    assert call.id.startswith("call_")
+    assert tools().parse("It is sunny.") == ("It is sunny.", [])
+    assert tools().parse('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')[1] == []  # not a tool
+    assert tools().parse("<tool_call>{broken")[1] == []
+    _, calls = tools("required").parse('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", '
+                                       '"arguments": {"city": "Oslo"}}]')
+    assert [c.name for c in calls] == ["get_time", "get_weather"]
+    named = tools({"type": "function", "function": {"name": "get_weather"}})
+    assert named.parse('{"city":  "Rome"}')[1][0].arguments == '{"city": "Rome"}'
+    assert named.parse('{"city": "Ro')[1] == []  # cut by max_tokens: left as content
+
+
+def test_streaming_auto_holds_back_a_possible_call_marker():
+    stream = ToolStream(tools())
+    out = [d for piece in ("Let me ", "check. <tool", "_call>\n{\"name\": \"get_weather\", \"arguments\": "
+                           "{\"city\": \"Paris\"}}\n</tool_call>") for d in stream.feed(piece)]
+    assert "".join(d["content"] for d in out) == "Let me check. "
+    [final] = stream.finish()
+    assert stream.called and final["tool_calls"][0]["function"]["name"] == "get_weather"
+    plain = ToolStream(tools())
+    text = [d for piece in ("It is <", "b>sunny</b>") for d in plain.feed(piece)] + plain.finish()
+    assert "".join(d["content"] for d in text) == "It is <b>sunny</b>" and not plain.called
+
+
+def test_streaming_a_named_call_streams_its_arguments():
+    stream = ToolStream(tools({"type": "function", "function": {"name": "get_weather"}}))
+    deltas = stream.feed('{"city": ') + stream.feed('"Paris"}') + stream.finish()
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas[1:]) == '{"city": "Paris"}'
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": []}, "tools"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_requests_openai_refuses(body, param):
+    with pytest.raises(ToolError) as error:
+        read_tools(body)
+    assert error.value.param == param
+
+
+@pytest.mark.parametrize("response_format,guide", [
+    ({"type": "text"}, None), ({"type": "json_object"}, {"json_object": True}),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}},
+     {"json": {"type": "object"}}),
+])
+def test_response_format_becomes_guided_decoding(response_format, guide):
+    request = chat_inputs({"messages": [{"role": "user", "content": "hi"}], "response_format": response_format})
+    assert request.guided_decoding == guide
+    parameters = request.sampling_parameters()
+    assert (json.loads(parameters)["guided_decoding"] if parameters else None) == guide
+
+
+def test_response_format_with_a_forced_call_is_refused():
+    with pytest.raises(OpenAIError) as error:
+        chat_inputs({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "required",
+                     "response_format": {"type": "json_object"}})
+    assert error.value.param == "response_format"
