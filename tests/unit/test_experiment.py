@@ -1,0 +1,109 @@
+"""A/B experiments: sticky weighted assignment (serving/experiment.py) and the always-valid
+sequential verdict (serving/ab_verdict.py)."""
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import pytest
+
+from serving.ab_verdict import SequentialTest, more_needed, verdict
+from serving.experiment import Experiment, ExperimentError
+
+SPEC = {"name": "spec-on-off", "arms": [{"name": "control", "model": "llm", "weight": 90},
+                                        {"name": "speculative", "model": "llm_b", "weight": 10}]}
+
+
+def test_assignment_is_sticky_and_follows_the_weights():
+    experiment = Experiment.from_dict(SPEC)
+    keys = [f"user-{i}" for i in range(2000)]
+    first = [experiment.assign(k).arm.name for k in keys]
+    assert first == [experiment.assign(k).arm.name for k in keys]  # sticky
+    share = collections.Counter(first)["control"] / len(keys)
+    assert 0.87 <= share <= 0.93, share  # 90 +- 3 %
+
+
+def test_removing_an_arm_moves_exactly_its_keys_and_a_weight_change_only_to_or_from_that_arm():
+    experiment = Experiment.from_dict({"name": "three", "arms": [
+        {"name": "a", "model": "llm", "weight": 1}, {"name": "b", "model": "llm_b", "weight": 1},
+        {"name": "c", "model": "llm_c", "weight": 1}]})
+    keys = [f"k{i}" for i in range(3000)]
+    before = {k: experiment.assign(k).arm.name for k in keys}
+    without_b = experiment.with_weights({"b": 0})
+    after = {k: without_b.assign(k).arm.name for k in keys}
+    assert {k for k in keys if before[k] != after[k]} == {k for k in keys if before[k] == "b"}
+    assert set(after.values()) == {"a", "c"}
+    more_c = experiment.with_weights({"c": 3})
+    moved = [(before[k], more_c.assign(k).arm.name) for k in keys if before[k] != more_c.assign(k).arm.name]
+    assert moved and all(to == "c" for _, to in moved)
+
+
+def test_holdout_is_served_by_the_control_outside_the_experiment():
+    experiment = Experiment.from_dict(SPEC | {"holdout": 0.2})
+    held = [experiment.assign(f"u{i}") for i in range(2000)]
+    out = [a for a in held if not a.in_experiment]
+    assert 0.17 <= len(out) / 2000 <= 0.23 and all(a.arm.name == "control" for a in out)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"arms": SPEC["arms"][:1]}, "2 to 16 arms"),
+    ({"arms": [SPEC["arms"][0], SPEC["arms"][0]]}, "unique names"),
+    ({"sticky_key": "cookie"}, "sticky_key"),
+    ({"holdout": 1.0}, "holdout"),
+    ({"name": "bad name"}, "name"),
+    ({"arms": [{"name": "a", "model": "llm", "weight": -1}, {"name": "b", "model": "llm_b"}]}, "weights"),
+])
+def test_a_bad_experiment_file_is_refused(tmp_path, change, message):
+    path = tmp_path / "experiment.json"
+    path.write_text(json.dumps(SPEC | change))
+    with pytest.raises(ExperimentError, match=message):
+        Experiment.load(path)
+
+
+def _looks(a: np.ndarray, b: np.ndarray, every: int = 50) -> SequentialTest:
+    test = SequentialTest()
+    for n in range(every, len(a) + 1, every):
+        test.look(np.log(a[:n]), np.log(b[:n]))
+    return test
+
+
+def test_identical_arms_are_declared_different_at_most_at_the_nominal_rate_under_continuous_looks():
+    """400 A/A experiments on skewed latencies (lognormal with a slow tail), a look every 50
+    requests up to 2,000 per arm: the always-valid p-value stays above 0.05 in at least 95 %."""
+    rng = np.random.default_rng(0)
+
+    def latencies(n):
+        x = rng.lognormal(np.log(0.08), 0.4, n)
+        x[rng.random(n) < 0.03] *= 5  # preemptions, queueing
+        return x
+
+    false_positives = sum(_looks(latencies(2000), latencies(2000)).p_value < 0.05 for _ in range(400))
+    assert false_positives / 400 <= 0.05, false_positives
+
+
+def test_a_real_difference_is_found_and_its_direction_named():
+    rng = np.random.default_rng(1)
+    a = rng.lognormal(np.log(0.08), 0.4, 3000)
+    b = rng.lognormal(np.log(0.08 * 1.15), 0.4, 3000)  # B 15 % slower
+    test = SequentialTest()
+    found_at = None
+    for n in range(50, 3001, 50):
+        result = verdict("ttft", a[:n], b[:n], test)
+        if result.verdict != "no difference yet":
+            found_at = n
+            break
+    assert result.verdict == "B worse" and found_at is not None and found_at <= 1000, found_at
+    assert 1.05 < result.ratio[0] < 1.3 and result.ratio[1] < result.ratio[0] < result.ratio[2]
+    faster = verdict("tokens_per_s", a[:1000], b[:1000], SequentialTest(), lower_is_better=False)
+    assert faster.verdict == "B better"  # higher throughput is better
+
+
+def test_no_difference_yet_says_how_many_more_requests():
+    rng = np.random.default_rng(2)
+    a, b = rng.lognormal(0, 0.4, 40), rng.lognormal(0, 0.4, 40)
+    result = verdict("itl", a, b, SequentialTest())
+    assert result.verdict == "no difference yet" and result.more_needed > 0
+    assert more_needed(np.log(a), np.log(b)) == result.more_needed
+    p50, low, high = result.percentiles["A"][50]
+    assert low <= p50 <= high
