@@ -9,12 +9,19 @@ freed at once. Translation both ways: serving/openai_protocol.py.
 Every request passes serving/openai_guard.py first: the API key, JSON bodies only, the body's size
 and nesting, and a bound on requests in flight.
 
+With `--experiment FILE` (serving/experiment.py) the server is an A/B gateway: each request goes
+to the arm its sticky key is assigned (the response's `x-specserve-arm` header names it), what it
+gave the user is recorded per arm (serving/ab_recorder.py; Prometheus text on /metrics), the
+verdict against the control is JSON on GET /v1/experiment, and POST /v1/experiment/weights changes
+the weights at run time with the admin key.
+
     SPECSERVE_API_KEY=... python -m serving.openai_server --triton localhost:8001 --port 9000
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -27,7 +34,7 @@ import numpy as np
 import tritonclient.grpc.aio as aio_grpcclient
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from client.stream import (
     ENSEMBLE_ERROR_PREFIX,
@@ -38,6 +45,10 @@ from client.stream import (
     request_inputs,
     stop_inputs,
 )
+from serving.ab_recorder import ExperimentRecorder, RequestRecord
+from serving.experiment import Assignment, Experiment, ExperimentError
+from serving.launcher import ADMIN_HEADER  # the operator's admin key, as tritonserver's restricted APIs take it
+from serving.launcher import ADMIN_KEY_VARIABLE as ADMIN_KEY_ENV
 from serving.openai_guard import (
     API_KEY_ENV,
     DEFAULT_MAX_BODY_BYTES,
@@ -57,6 +68,7 @@ from serving.openai_protocol import (
 from serving.tool_calls import ToolStream
 
 TRITON_MODEL = "llm"
+log = logging.getLogger(__name__)
 STOP_WAIT_S = 2.0  # a stopped request's last response is awaited this long before the stream closes
 UNAVAILABLE = ("unavailable", "Exceeds maximum queue size", "shutting down")
 
@@ -66,13 +78,18 @@ class TritonGeneration:
     stop request on the stream and waits (STOP_WAIT_S at most) for the request to end."""
 
     def __init__(self, client: aio_grpcclient.InferenceServerClient, inputs: dict[str, Any],
-                 constraint: str = "response_format"):
+                 constraint: str = "response_format", model: str = TRITON_MODEL):
         self.client = client
         self.constraint = constraint  # the parameter a guided_decoding error is about
+        self.model = model  # `llm`, or an experiment's arm with its interface
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None  # when the first, and the latest, tokens came
+        self.last_token_at: float | None = None
+        self.output_tokens = 0
         self.request_id = uuid.uuid4().hex
         self.abort_key = str(inputs["abort_key"])  # request_inputs made a fresh one: only this server can stop it
         self.outgoing: asyncio.Queue = asyncio.Queue()  # requests to send; None ends the stream
-        self.outgoing.put_nowait(_request(self.request_id, _tensors(inputs)))
+        self.outgoing.put_nowait(_request(self.request_id, _tensors(inputs), model))
         self.incoming: asyncio.Queue = asyncio.Queue()  # outputs by name, or an OpenAIError
         self.done = asyncio.Event()  # the request's last response (or an error) has come
         self.reader: asyncio.Task | None = None
@@ -91,6 +108,10 @@ class TritonGeneration:
                 if response.id != self.request_id:
                     continue  # the stop request's own answer
                 outputs = {name: _scalar(result.as_numpy(name)) for name in OUTPUTS}
+                if outputs.get("num_output_tokens"):
+                    self.last_token_at = time.monotonic()
+                    self.first_token_at = self.first_token_at or self.last_token_at
+                    self.output_tokens += int(outputs["num_output_tokens"])
                 flag = response.parameters.get("triton_final_response")
                 final = (flag is not None and flag.bool_param) or outputs["finish_reason"] not in (None, "", "None")
                 self.incoming.put_nowait(outputs | {"final": final})
@@ -119,7 +140,8 @@ class TritonGeneration:
         """Have the server stop this request (its client went away)."""
         if self.done.is_set():
             return
-        self.outgoing.put_nowait(_request(f"{self.request_id}-stop", _tensors(stop_inputs(self.request_id, self.abort_key))))
+        self.outgoing.put_nowait(_request(f"{self.request_id}-stop", _tensors(stop_inputs(self.request_id, self.abort_key)),
+                                          self.model))
         try:
             await asyncio.wait_for(self.done.wait(), STOP_WAIT_S)
         except asyncio.TimeoutError:
@@ -129,8 +151,8 @@ class TritonGeneration:
                 self.reader.cancel()
 
 
-def _request(request_id: str, tensors: list) -> dict:
-    return {"model_name": TRITON_MODEL, "inputs": tensors, "request_id": request_id}
+def _request(request_id: str, tensors: list, model: str = TRITON_MODEL) -> dict:
+    return {"model_name": model, "inputs": tensors, "request_id": request_id}
 
 
 def _tensors(values: dict[str, Any]) -> list:
@@ -179,10 +201,57 @@ class TritonClient:
         return self.client
 
 
-def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = None) -> FastAPI:
+class ExperimentGate:
+    """An A/B experiment in front of the arms: which arm serves a request, what it gave the user,
+    and weight changes at run time (the admin key's, compared in constant time)."""
+
+    def __init__(self, experiment: Experiment, admin_key: str | None):
+        self.experiment = experiment
+        self.recorder = ExperimentRecorder(experiment)
+        self.admin_key = admin_key
+
+    def assign(self, request: Request, body: dict) -> Assignment:
+        source = self.experiment.sticky_key
+        if source == "user":
+            key = body.get("user")
+        elif source.startswith("header:"):
+            key = request.headers.get(source.split(":", 1)[1])
+        else:
+            key = body.get(source.split(":", 1)[1])
+        return self.experiment.assign(str(key) if key is not None else None)
+
+    def record(self, assignment: Assignment, generation: TritonGeneration, finish_reason: str) -> None:
+        if not assignment.in_experiment:
+            return
+        first, last, n = generation.first_token_at, generation.last_token_at, generation.output_tokens
+        self.recorder.record(RequestRecord(
+            assignment.arm.name, None if first is None else first - generation.started,
+            (last - first) / (n - 1) if first is not None and n > 1 else None,
+            time.monotonic() - generation.started, n, finish_reason))
+
+    def set_weights(self, request: Request, weights: Any) -> None:
+        given = request.headers.get(ADMIN_HEADER, "")
+        if self.admin_key is None or not hmac.compare_digest(given.encode(), self.admin_key.encode()):
+            raise OpenAIError(f"changing an experiment needs the admin key (header {ADMIN_HEADER})", 403,
+                              kind="permission_error")
+        if not isinstance(weights, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                    for v in weights.values()):
+            raise OpenAIError('the body must be {"weights": {arm: number, ...}}', param="weights")
+        try:
+            self.experiment = self.experiment.with_weights(weights)
+        except ExperimentError as e:
+            raise OpenAIError(str(e), param="weights") from None
+        self.recorder.experiment = self.experiment
+        log.info("experiment %s: weights now %s", self.experiment.name,
+                 {a.name: a.weight for a in self.experiment.arms})
+
+
+def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = None,
+               experiment: Experiment | None = None, admin_key: str | None = None) -> FastAPI:
     app = FastAPI(title="specserve OpenAI-compatible API")
     app.add_middleware(OpenAIGuard, config=guard or GuardConfig())
     triton = TritonClient(triton_url)
+    gate = ExperimentGate(experiment, admin_key) if experiment is not None else None
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
@@ -200,11 +269,29 @@ def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = N
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _serve(request, triton.get(), served_model, "text_completion", completion_inputs)
+        return await _serve(request, triton.get(), served_model, "text_completion", completion_inputs, gate)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _serve(request, triton.get(), served_model, "chat.completion", chat_inputs)
+        return await _serve(request, triton.get(), served_model, "chat.completion", chat_inputs, gate)
+
+    if gate is not None:
+        @app.get("/v1/experiment")
+        async def experiment_report() -> JSONResponse:
+            return JSONResponse(await asyncio.to_thread(gate.recorder.report))
+
+        @app.post("/v1/experiment/weights")
+        async def experiment_weights(request: Request) -> JSONResponse:
+            try:
+                body = await request.json()
+            except ValueError:
+                raise OpenAIError("the body is not valid JSON") from None
+            gate.set_weights(request, body.get("weights") if isinstance(body, dict) else None)
+            return JSONResponse({"weights": {a.name: a.weight for a in gate.experiment.arms}})
+
+        @app.get("/metrics")
+        async def metrics() -> PlainTextResponse:
+            return PlainTextResponse(gate.recorder.prometheus())
 
     return app
 
@@ -216,7 +303,7 @@ async def _ready(client) -> bool:
         return False
 
 
-async def _serve(request: Request, client, served_model: str, kind: str, parse) -> Any:
+async def _serve(request: Request, client, served_model: str, kind: str, parse, gate: ExperimentGate | None) -> Any:
     try:
         body = await request.json()
     except ValueError:
@@ -235,22 +322,34 @@ async def _serve(request: Request, client, served_model: str, kind: str, parse) 
     # a constraint `llm` refuses is named as the client wrote it
     constraint = "tool_choice" if generation_request.tools is not None and generation_request.tools.forced \
         else "response_format"
-    generation = TritonGeneration(client, inputs, constraint)
+    assignment = gate.assign(request, body) if gate is not None else None
+    model = assignment.arm.model if assignment is not None else TRITON_MODEL
+    generation = TritonGeneration(client, inputs, constraint, model)
     reply = Reply(kind, served_model, generation_request)
+    record = (lambda finish: gate.record(assignment, generation, finish)) if gate is not None else None
+    headers = {"x-specserve-arm": assignment.arm.name} if assignment is not None else None
     if generation_request.stream:
-        return StreamingResponse(_events(request, generation, reply), media_type="text/event-stream")
-    return JSONResponse(await _whole(request, generation, reply))
+        return StreamingResponse(_events(request, generation, reply, record), media_type="text/event-stream",
+                                 headers=headers)
+    return JSONResponse(await _whole(request, generation, reply, record), headers=headers)
 
 
-async def _whole(request: Request, generation: TritonGeneration, reply: Reply) -> dict:
-    """Gather the answer; stop it on the server if the client leaves first."""
+async def _whole(request: Request, generation: TritonGeneration, reply: Reply, record=None) -> dict:
+    """Gather the answer; stop it on the server if the client leaves first. `record(finish
+    reason)` is told how it ended (an experiment's measurement)."""
     gathered = Accumulator()
     watcher = asyncio.create_task(_watch_disconnect(request, generation))
     try:
         async for outputs in generation.responses():
             gathered.add(outputs)
+    except OpenAIError:
+        if record is not None:
+            record("error")
+        raise
     finally:
         watcher.cancel()
+    if record is not None:
+        record(gathered.finish_reason or "stop")
     return reply.whole(gathered)
 
 
@@ -260,7 +359,7 @@ async def _watch_disconnect(request: Request, generation: TritonGeneration) -> N
     await generation.stop()
 
 
-async def _events(request: Request, generation: TritonGeneration, reply: Reply) -> AsyncIterator[str]:
+async def _events(request: Request, generation: TritonGeneration, reply: Reply, record=None) -> AsyncIterator[str]:
     """Server-sent events; a client that goes away cancels this generator: the request is stopped."""
     gathered = Accumulator()
     offset = 0  # characters streamed so far (the logprobs' text_offset)
@@ -274,10 +373,14 @@ async def _events(request: Request, generation: TritonGeneration, reply: Reply) 
             elif delta.text or delta.finish_reason or delta.logprobs:
                 yield _event(reply.chunk(delta=delta, offset=offset))
             offset += len(delta.text)
+        if record is not None:
+            record(gathered.finish_reason or "stop")
         if reply.request.include_usage:
             yield _event(reply.usage_chunk(gathered))
         yield "data: [DONE]\n\n"
     except OpenAIError as error:
+        if record is not None:
+            record("error")
         yield _event(error.body())
     except (asyncio.CancelledError, GeneratorExit):
         await asyncio.shield(generation.stop())
@@ -377,14 +480,22 @@ def main() -> None:
                    help="generation requests in flight (streams until their last event); more get a 429 "
                         "with Retry-After at once. Far above what the engine batches, it bounds the "
                         "connections, bodies and gRPC streams held (default: %(default)s)")
+    p.add_argument("--experiment", default=None,
+                   help="an A/B experiment file (serving/experiment.py): requests are split over its arms, each "
+                        "arm's latencies are recorded (/metrics, /v1/experiment)")
+    p.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV) or None,
+                   help=f"the key (header {ADMIN_HEADER}) that may change the experiment's weights; default: "
+                        f"${ADMIN_KEY_ENV}, else none may")
     args = p.parse_args()
     try:
         guard = GuardConfig(args.api_key, args.max_body_bytes, args.max_concurrent_requests)
+        experiment = Experiment.load(args.experiment) if args.experiment else None
     except ValueError as e:
         p.error(str(e))
     if guard.api_key is None:
         logging.warning("no API key (--api-key or $%s): anyone who reaches port %d can use it", API_KEY_ENV, args.port)
-    uvicorn.run(create_app(args.triton, args.served_model_name, guard), host=args.host, port=args.port,
+    uvicorn.run(create_app(args.triton, args.served_model_name, guard, experiment, args.admin_key),
+                host=args.host, port=args.port,
                 log_level="warning", timeout_graceful_shutdown=2)
 
 

@@ -1,0 +1,66 @@
+"""The OpenAI gateway as an A/B gateway over two real arms with `llm`'s interface (`llm` and
+`llm_bls`): sticky assignment by the `user` field, per-arm measurements on /metrics, the verdict on
+/v1/experiment, and weights changed at run time only with the admin key, without a failed request."""
+from __future__ import annotations
+
+import collections
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.server.conftest import openai_server
+
+pytestmark = pytest.mark.server
+ADMIN_KEY = "experiment-admin-key-for-tests"
+
+
+def _post(base: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, dict]:
+    request = urllib.request.Request(f"{base}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"} | (headers or {}))
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def _complete(base: str, user: str) -> str:
+    status, headers, body = _post(base, "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0,
+                                                            "user": user})
+    assert status == 200 and body["choices"][0]["text"]
+    return headers["x-specserve-arm"]
+
+
+def test_an_experiment_splits_measures_and_moves_traffic(server, tmp_path):
+    experiment = tmp_path / "experiment.json"
+    experiment.write_text(json.dumps({"name": "llm-vs-bls", "sticky_key": "user", "arms": [
+        {"name": "control", "model": "llm", "weight": 50}, {"name": "bls", "model": "llm_bls", "weight": 50}]}))
+    with openai_server(server, "--experiment", str(experiment), env={"SPECSERVE_ADMIN_KEY": ADMIN_KEY},
+                       secret=ADMIN_KEY) as base:
+        arms = {f"user-{i}": _complete(base, f"user-{i}") for i in range(24)}
+        assert set(arms.values()) == {"control", "bls"}
+        assert all(_complete(base, user) == arm for user, arm in list(arms.items())[:6])  # sticky
+
+        report = json.loads(urllib.request.urlopen(f"{base}/v1/experiment", timeout=30).read())
+        served = collections.Counter(arms.values()) + collections.Counter(list(arms.values())[:6])
+        assert report["requests"] == {arm: {"length": served[arm]} for arm in ("control", "bls")}  # 4 tokens each
+        ttft = report["versus_control"]["bls"]["ttft"]
+        assert ttft["verdict"] in ("no difference yet", "B better", "B worse")
+        assert ttft["n"] == [served["control"], served["bls"]]
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+        assert f'specserve_ab_ttft_seconds_count{{experiment="llm-vs-bls",arm="bls"}} {ttft["n"][1]}' in metrics
+        assert 'specserve_ab_requests_total{experiment="llm-vs-bls",arm="control",finish_reason="length"}' in metrics
+
+        status, _, body = _post(base, "/v1/experiment/weights", {"weights": {"bls": 0}})
+        assert status == 403 and body["error"]["type"] == "permission_error"
+        status, _, body = _post(base, "/v1/experiment/weights", {"weights": {"bls": 0}}, {"specserve-admin-key": "no"})
+        assert status == 403
+        status, _, body = _post(base, "/v1/experiment/weights", {"weights": {"nope": 1}},
+                                {"specserve-admin-key": ADMIN_KEY})
+        assert status == 400 and body["error"]["param"] == "weights"
+        status, _, body = _post(base, "/v1/experiment/weights", {"weights": {"bls": 0}},
+                                {"specserve-admin-key": ADMIN_KEY})
+        assert status == 200 and body == {"weights": {"control": 50, "bls": 0}}
+        assert {_complete(base, user) for user in arms} == {"control"}  # the removed arm's users moved
