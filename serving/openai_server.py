@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -28,6 +29,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,7 @@ from client.stream import (
 )
 from serving.ab_recorder import ExperimentRecorder, RequestRecord
 from serving.experiment import Assignment, Experiment, ExperimentError
+from serving.rollout import Rollout, RolloutPlan
 from serving.launcher import ADMIN_HEADER  # the operator's admin key, as tritonserver's restricted APIs take it
 from serving.launcher import ADMIN_KEY_VARIABLE as ADMIN_KEY_ENV
 from serving.openai_guard import (
@@ -69,6 +72,7 @@ from serving.tool_calls import ToolStream
 
 TRITON_MODEL = "llm"
 log = logging.getLogger(__name__)
+ROLLOUT_INTERVAL_S = 10.0
 STOP_WAIT_S = 2.0  # a stopped request's last response is awaited this long before the stream closes
 UNAVAILABLE = ("unavailable", "Exceeds maximum queue size", "shutting down")
 
@@ -205,10 +209,35 @@ class ExperimentGate:
     """An A/B experiment in front of the arms: which arm serves a request, what it gave the user,
     and weight changes at run time (the admin key's, compared in constant time)."""
 
-    def __init__(self, experiment: Experiment, admin_key: str | None):
+    def __init__(self, experiment: Experiment, admin_key: str | None, rollout: RolloutPlan | None = None):
         self.experiment = experiment
         self.recorder = ExperimentRecorder(experiment)
         self.admin_key = admin_key
+        self.rollout = Rollout(rollout, self.recorder) if rollout is not None else None
+        if self.rollout is not None:
+            self._apply(self.rollout.weights())
+
+    def _apply(self, weights: dict[str, float]) -> None:
+        self.experiment = self.recorder.experiment = self.experiment.with_weights(weights)
+        log.info("experiment %s: weights now %s", self.experiment.name, weights)
+
+    async def guard_rollout(self, interval_s: float) -> None:
+        """Judge the rollout's step every interval_s; move the weights on an advance or rollback."""
+        while self.rollout is not None and not self.rollout.finished:
+            await asyncio.sleep(interval_s)
+            decision = self.rollout.evaluate()
+            if decision.action != "hold":
+                log.info("experiment %s rollout: %s to %s%% (%s): %s", self.experiment.name, decision.action,
+                         decision.percent, decision.reason, json.dumps(decision.evidence))
+                self._apply(self.rollout.weights())
+
+    def report(self) -> dict:
+        report = self.recorder.report()
+        if self.rollout is not None:
+            report["rollout"] = {"arm": self.rollout.plan.arm, "percent": self.rollout.percent,
+                                 "finished": self.rollout.finished,
+                                 "decisions": [d.to_dict() for d in self.rollout.decisions]}
+        return report
 
     def assign(self, request: Request, body: dict) -> Assignment:
         source = self.experiment.sticky_key
@@ -237,21 +266,29 @@ class ExperimentGate:
         if not isinstance(weights, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                     for v in weights.values()):
             raise OpenAIError('the body must be {"weights": {arm: number, ...}}', param="weights")
+        if self.rollout is not None and not self.rollout.finished:
+            raise OpenAIError("a rollout sets the weights until it ends", 409, param="weights")
         try:
-            self.experiment = self.experiment.with_weights(weights)
+            self._apply(weights)
         except ExperimentError as e:
             raise OpenAIError(str(e), param="weights") from None
-        self.recorder.experiment = self.experiment
-        log.info("experiment %s: weights now %s", self.experiment.name,
-                 {a.name: a.weight for a in self.experiment.arms})
 
 
 def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = None,
-               experiment: Experiment | None = None, admin_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="specserve OpenAI-compatible API")
+               experiment: Experiment | None = None, admin_key: str | None = None,
+               rollout: RolloutPlan | None = None, rollout_interval_s: float = ROLLOUT_INTERVAL_S) -> FastAPI:
+    gate = ExperimentGate(experiment, admin_key, rollout) if experiment is not None else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(gate.guard_rollout(rollout_interval_s)) if gate and gate.rollout else None
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="specserve OpenAI-compatible API", lifespan=lifespan)
     app.add_middleware(OpenAIGuard, config=guard or GuardConfig())
     triton = TritonClient(triton_url)
-    gate = ExperimentGate(experiment, admin_key) if experiment is not None else None
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
@@ -278,7 +315,7 @@ def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = N
     if gate is not None:
         @app.get("/v1/experiment")
         async def experiment_report() -> JSONResponse:
-            return JSONResponse(await asyncio.to_thread(gate.recorder.report))
+            return JSONResponse(await asyncio.to_thread(gate.report))
 
         @app.post("/v1/experiment/weights")
         async def experiment_weights(request: Request) -> JSONResponse:
@@ -331,7 +368,10 @@ async def _serve(request: Request, client, served_model: str, kind: str, parse, 
     if generation_request.stream:
         return StreamingResponse(_events(request, generation, reply, record), media_type="text/event-stream",
                                  headers=headers)
-    return JSONResponse(await _whole(request, generation, reply, record), headers=headers)
+    try:
+        return JSONResponse(await _whole(request, generation, reply, record), headers=headers)
+    except OpenAIError as error:  # an error answer names its arm too
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def _whole(request: Request, generation: TritonGeneration, reply: Reply, record=None) -> dict:
@@ -486,15 +526,22 @@ def main() -> None:
     p.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV) or None,
                    help=f"the key (header {ADMIN_HEADER}) that may change the experiment's weights; default: "
                         f"${ADMIN_KEY_ENV}, else none may")
+    p.add_argument("--rollout-interval", type=float, default=ROLLOUT_INTERVAL_S,
+                   help="seconds between judgements of the experiment's rollout (its \"rollout\" key)")
     args = p.parse_args()
     try:
         guard = GuardConfig(args.api_key, args.max_body_bytes, args.max_concurrent_requests)
-        experiment = Experiment.load(args.experiment) if args.experiment else None
-    except ValueError as e:
+        experiment = rollout = None
+        if args.experiment:
+            values = json.loads(Path(args.experiment).read_text())
+            experiment = Experiment.from_dict(values)
+            rollout = RolloutPlan.from_dict(values["rollout"], experiment) if "rollout" in values else None
+    except (ValueError, OSError) as e:
         p.error(str(e))
     if guard.api_key is None:
         logging.warning("no API key (--api-key or $%s): anyone who reaches port %d can use it", API_KEY_ENV, args.port)
-    uvicorn.run(create_app(args.triton, args.served_model_name, guard, experiment, args.admin_key),
+    uvicorn.run(create_app(args.triton, args.served_model_name, guard, experiment, args.admin_key, rollout,
+                           args.rollout_interval),
                 host=args.host, port=args.port,
                 log_level="warning", timeout_graceful_shutdown=2)
 

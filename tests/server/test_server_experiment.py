@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -64,3 +65,37 @@ def test_an_experiment_splits_measures_and_moves_traffic(server, tmp_path):
                                 {"specserve-admin-key": ADMIN_KEY})
         assert status == 200 and body == {"weights": {"control": 50, "bls": 0}}
         assert {_complete(base, user) for user in arms} == {"control"}  # the removed arm's users moved
+
+
+def test_a_rollout_rolls_back_when_the_arm_fails(server, tmp_path):
+    """The arm's requests fail (the server's fault hook: a request with FAULT_SEED raises in a
+    step); the rollout, judged every 0.3 s, sets the arm's weight to 0 and says why."""
+    from serving.experiment import Experiment
+    from tests.server.conftest import FAULT_SEED
+
+    values = {"name": "guarded", "sticky_key": "user", "arms": [
+        {"name": "control", "model": "llm", "weight": 1}, {"name": "bls", "model": "llm_bls", "weight": 1}],
+        "rollout": {"arm": "bls", "steps": [50, 100], "min_requests": 4}}
+    (tmp_path / "experiment.json").write_text(json.dumps(values))
+    ramp = Experiment.from_dict(values).with_weights({"control": 50, "bls": 50})  # the first step's split
+    with openai_server(server, "--experiment", str(tmp_path / "experiment.json"), "--rollout-interval", "0.3") as base:
+        users = [f"user-{i}" for i in range(16)]
+        served = []
+        for user in users:  # the arm's users send the fault seed; once rolled back, control serves them
+            failing = ramp.assign(user).arm.name == "bls"
+            status, headers, _ = _post(base, "/v1/completions", {
+                "prompt": "def f(x):", "max_tokens": 6, "user": user, "seed": FAULT_SEED if failing else 1})
+            served.append(headers["x-specserve-arm"])
+            assert status == (500 if failing else 200) and served[-1] in ("control", "bls")
+            assert served[-1] == "control" or failing
+        assert served.count("bls") >= 3
+        deadline = time.monotonic() + 30
+        while True:
+            report = json.loads(urllib.request.urlopen(f"{base}/v1/experiment", timeout=30).read())
+            if report["rollout"]["finished"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        [decision] = report["rollout"]["decisions"]
+        assert decision["action"] == "rollback" and "error rate" in decision["reason"]
+        assert report["weights"] == {"control": 100.0, "bls": 0.0}
+        assert {_complete(base, user) for user in users} == {"control"}

@@ -107,3 +107,65 @@ def test_no_difference_yet_says_how_many_more_requests():
     assert more_needed(np.log(a), np.log(b)) == result.more_needed
     p50, low, high = result.percentiles["A"][50]
     assert low <= p50 <= high
+
+
+def _ramp(plan_values: dict | None = None):
+    from serving.ab_recorder import ExperimentRecorder
+    from serving.rollout import Rollout, RolloutPlan
+
+    experiment = Experiment.from_dict(SPEC)
+    plan = RolloutPlan.from_dict({"arm": "speculative", "min_requests": 100} | (plan_values or {}), experiment)
+    recorder = ExperimentRecorder(experiment)
+    return Rollout(plan, recorder), recorder
+
+
+def _serve(recorder, arm: str, n: int, rng, ttft_scale: float = 1.0, error_rate: float = 0.0) -> None:
+    from serving.ab_recorder import RequestRecord
+
+    for _ in range(n):
+        failed = rng.random() < error_rate
+        recorder.record(RequestRecord(arm, None if failed else 0.05 * ttft_scale * rng.lognormal(0, 0.3),
+                                      None if failed else 0.02 * rng.lognormal(0, 0.2), 0.5, 0 if failed else 16,
+                                      "error" if failed else "stop"))
+
+
+def test_a_healthy_arm_ramps_through_every_step():
+    rollout, recorder = _ramp()
+    rng = np.random.default_rng(3)
+    percents = []
+    while not rollout.finished:
+        _serve(recorder, "control", 150, rng)
+        assert rollout.evaluate().action == "hold"  # the arm has no requests in this step yet
+        _serve(recorder, "speculative", 120, rng)
+        decision = rollout.evaluate()
+        percents.append(decision.percent)
+        assert decision.action in ("advance", "done"), decision
+    assert percents == [10.0, 50.0, 100.0, 100.0]
+    assert rollout.weights() == {"control": 0.0, "speculative": 100.0}
+
+
+@pytest.mark.parametrize("harm,reason", [(dict(error_rate=0.2), "error rate"), (dict(ttft_scale=2.0), "ttft p99")])
+def test_a_broken_guardrail_rolls_back_at_once_with_its_evidence(harm, reason):
+    rollout, recorder = _ramp()
+    rng = np.random.default_rng(4)
+    _serve(recorder, "control", 300, rng)
+    _serve(recorder, "speculative", 120, rng)
+    assert rollout.evaluate().action == "advance"  # healthy at 1 %
+    _serve(recorder, "control", 300, rng)
+    _serve(recorder, "speculative", 110, rng, **harm)  # the harm starts in the 10 % step
+    decision = rollout.evaluate()
+    assert decision.action == "rollback" and reason in decision.reason and decision.percent == 0.0
+    assert decision.evidence["requests"]["speculative"] == 110
+    assert rollout.weights()["speculative"] == 0.0 and rollout.finished
+    assert rollout.evaluate().action == "done"
+
+
+def test_a_bad_rollout_plan_is_refused():
+    from serving.rollout import RolloutPlan
+
+    experiment = Experiment.from_dict(SPEC)
+    for values, message in (({"arm": "control"}, "other than the control"),
+                            ({"arm": "speculative", "steps": [50, 10]}, "rising"),
+                            ({"arm": "speculative", "speed": 2}, "rollout")):
+        with pytest.raises(ExperimentError, match=message):
+            RolloutPlan.from_dict(values, experiment)
