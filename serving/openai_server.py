@@ -12,8 +12,9 @@ and nesting, and a bound on requests in flight.
 With `--experiment FILE` (serving/experiment.py) the server is an A/B gateway: each request goes
 to the arm its sticky key is assigned (the response's `x-specserve-arm` header names it), what it
 gave the user is recorded per arm (serving/ab_recorder.py; Prometheus text on /metrics), the
-verdict against the control is JSON on GET /v1/experiment, and POST /v1/experiment/weights changes
-the weights at run time with the admin key.
+verdict against the control is JSON on GET /v1/experiment (each arm's recent values of a metric on
+/v1/experiment/samples?metric=ttft), and POST /v1/experiment/weights changes the weights at run
+time with the admin key.
 
     SPECSERVE_API_KEY=... python -m serving.openai_server --triton localhost:8001 --port 9000
 """
@@ -47,7 +48,7 @@ from client.stream import (
     request_inputs,
     stop_inputs,
 )
-from serving.ab_recorder import ExperimentRecorder, RequestRecord
+from serving.ab_recorder import METRICS, ExperimentRecorder, RequestRecord
 from serving.experiment import Assignment, Experiment, ExperimentError
 from serving.rollout import Rollout, RolloutPlan
 from serving.launcher import ADMIN_HEADER  # the operator's admin key, as tritonserver's restricted APIs take it
@@ -316,6 +317,13 @@ def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = N
         @app.get("/v1/experiment")
         async def experiment_report() -> JSONResponse:
             return JSONResponse(await asyncio.to_thread(gate.report))
+
+        @app.get("/v1/experiment/samples")
+        async def experiment_samples(metric: str = "ttft") -> JSONResponse:
+            if metric not in METRICS:
+                raise OpenAIError(f"metric must be one of {', '.join(METRICS)}", param="metric")
+            return JSONResponse({arm.name: gate.recorder.values(arm.name, metric).tolist()
+                                 for arm in gate.experiment.arms})
 
         @app.post("/v1/experiment/weights")
         async def experiment_weights(request: Request) -> JSONResponse:

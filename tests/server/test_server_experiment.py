@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from client import ab_report
 from tests.server.conftest import openai_server
 
 pytestmark = pytest.mark.server
@@ -34,7 +36,7 @@ def _complete(base: str, user: str) -> str:
     return headers["x-specserve-arm"]
 
 
-def test_an_experiment_splits_measures_and_moves_traffic(server, tmp_path):
+def test_an_experiment_splits_measures_and_moves_traffic(server, tmp_path, capsys):
     experiment = tmp_path / "experiment.json"
     experiment.write_text(json.dumps({"name": "llm-vs-bls", "sticky_key": "user", "arms": [
         {"name": "control", "model": "llm", "weight": 50}, {"name": "bls", "model": "llm_bls", "weight": 50}]}))
@@ -53,6 +55,12 @@ def test_an_experiment_splits_measures_and_moves_traffic(server, tmp_path):
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
         assert f'specserve_ab_ttft_seconds_count{{experiment="llm-vs-bls",arm="bls"}} {ttft["n"][1]}' in metrics
         assert 'specserve_ab_requests_total{experiment="llm-vs-bls",arm="control",finish_reason="length"}' in metrics
+        samples = json.loads(urllib.request.urlopen(f"{base}/v1/experiment/samples?metric=ttft", timeout=30).read())
+        assert [len(samples["control"]), len(samples["bls"])] == ttft["n"]
+        assert ab_report.main(["report", "--url", base, "--plot", str(tmp_path / "ab.png")]) == 0
+        printed = capsys.readouterr().out
+        assert "experiment llm-vs-bls" in printed and re.search(r"bls \|\s+ttft \|", printed)
+        assert (tmp_path / "ab.png").stat().st_size > 10_000
 
         status, _, body = _post(base, "/v1/experiment/weights", {"weights": {"bls": 0}})
         assert status == 403 and body["error"]["type"] == "permission_error"
