@@ -29,9 +29,9 @@ def _post(base: str, path: str, body: dict, headers: dict | None = None) -> tupl
         return e.code, dict(e.headers), json.loads(e.read())
 
 
-def _complete(base: str, user: str) -> str:
-    status, headers, body = _post(base, "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0,
-                                                            "user": user})
+def _complete(base: str, user: str, max_tokens: int = 4) -> str:
+    status, headers, body = _post(base, "/v1/completions", {"prompt": "def f(x):", "max_tokens": max_tokens,
+                                                            "temperature": 0, "user": user})
     assert status == 200 and body["choices"][0]["text"]
     return headers["x-specserve-arm"]
 
@@ -107,3 +107,52 @@ def test_a_rollout_rolls_back_when_the_arm_fails(server, tmp_path):
         assert decision["action"] == "rollback" and "error rate" in decision["reason"]
         assert report["weights"] == {"control": 100.0, "bls": 0.0}
         assert {_complete(base, user) for user in users} == {"control"}
+
+
+def _load(base: str, first: int, count: int, users: int = 16) -> list[str]:
+    """`count` completions from `users` concurrent clients, request i as user `first + i`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(users) as pool:
+        return list(pool.map(lambda i: _complete(base, f"load-{first + i}", max_tokens=16), range(count)))
+
+
+def _verdict(base: str, arm: str, metric: str) -> dict:
+    return json.loads(urllib.request.urlopen(f"{base}/v1/experiment", timeout=30).read())["versus_control"][arm][metric]
+
+
+@pytest.fixture(scope="module")
+def two_configs(tmp_path_factory):
+    """`llm` and `llm_slow`: the same model, the second's engine running at most 2 requests at once."""
+    from tests.server.conftest import start_test_server
+
+    server = start_test_server(tmp_path_factory.mktemp("ab"), "", variants={"slow": {"max_num_seqs": "2"}})
+    yield server
+    server.handle.stop()
+
+
+def test_a_worse_configuration_is_found_worse_and_identical_arms_are_not(two_configs, tmp_path):
+    """16 concurrent users; arm B's engine batches 2 requests at most: its TTFT is called worse
+    within 800 requests (the number is printed). Three A/A experiments (both arms `llm`, 160
+    requests each, a look every 40) find no difference."""
+    experiment = tmp_path / "experiment.json"
+    experiment.write_text(json.dumps({"name": "batching", "arms": [
+        {"name": "control", "model": "llm"}, {"name": "slow", "model": "llm_slow"}]}))
+    with openai_server(two_configs, "--experiment", str(experiment)) as base:
+        served = 0
+        while served < 800:
+            _load(base, served, 40)
+            served += 40
+            if _verdict(base, "slow", "ttft")["verdict"] != "no difference yet":
+                break
+        found = _verdict(base, "slow", "ttft")
+        print(f"\nmax_num_seqs 2 vs 64: {found['verdict']} after {served} requests, TTFT ratio {found['ratio']}")
+        assert found["verdict"] == "B worse"
+    for run in range(3):
+        experiment.write_text(json.dumps({"name": f"a-a-{run}", "arms": [
+            {"name": "control", "model": "llm"}, {"name": "same", "model": "llm"}]}))
+        with openai_server(two_configs, "--experiment", str(experiment)) as base:
+            for look in range(4):
+                _load(base, 1000 * (run + 1) + 40 * look, 40)
+                for metric in ("ttft", "itl", "e2e"):
+                    assert _verdict(base, "same", metric)["verdict"] in ("no difference yet", "no data yet")
