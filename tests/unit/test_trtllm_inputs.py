@@ -24,8 +24,9 @@ def test_the_end_to_end_clients_inputs():
         "random_seed": _batch(7, np.uint64), "top_k": _batch(0, np.int32), "top_p": _batch(0.0, np.float32),
         "return_log_probs": _batch(True, bool),
     })
-    assert sorted(inputs) == ["max_tokens", "min_tokens", "return_cumulative_logprob", "sampling_parameters", "seed",
-                              "stop", "stream", "temperature", "text_input"]
+    assert sorted(inputs) == ["exclude_input_in_output", "max_tokens", "min_tokens", "return_cumulative_logprob",
+                              "sampling_parameters", "seed", "stop", "stream", "temperature", "text_input"]
+    assert inputs["exclude_input_in_output"].tolist() == [True]  # streamed: the new tokens, as TensorRT-LLM
     assert inputs["stop"].tolist() == [b"\n\n"]
     assert json.loads(inputs["sampling_parameters"][0]) == {"stop_token_ids": [2]}
     assert inputs["max_tokens"].tolist() == [8] and inputs["seed"].tolist() == [7]
@@ -48,3 +49,18 @@ def test_what_needs_beams_or_logits_is_refused_by_name(name, value, dtype, messa
 def test_one_request_per_call():
     with pytest.raises(ValidationError, match=r"text_input: must be a batch of one request \(\[1, ...\]\), got shape \[2, 1\]"):
         llm_inputs({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_)})
+
+
+@pytest.mark.parametrize("guide_type,guide,expected", [
+    ("json", None, {"json_object": True}),
+    ("json_schema", b'{"type": "object"}', {"json": '{"type": "object"}'}),
+    ("regex", b"[a-z]+", {"regex": "[a-z]+"}),
+    ("ebnf_grammar", b'root ::= "a"', {"grammar": 'root ::= "a"'}),
+])
+def test_guided_decoding_becomes_the_engines(guide_type, guide, expected):
+    values = {"text_input": _batch(b"Hi", np.object_), "max_tokens": _batch(8, np.int32), "end_id": _batch(2, np.int32),
+              "guided_decoding_guide_type": _batch(guide_type.encode(), np.object_)}
+    if guide is not None:
+        values["guided_decoding_guide"] = _batch(guide, np.object_)
+    inputs, _ = llm_inputs(values)
+    assert json.loads(inputs["sampling_parameters"][0]) == {"stop_token_ids": [2], "guided_decoding": expected}
