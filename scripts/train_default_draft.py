@@ -11,18 +11,21 @@ The draft is a standard HF Llama with the target's tokenizer, width and heads, a
     config.json keeps vocab_size = the target's (the embedding's) and adds draft_vocab_size = V'.
 
 Training text:
-  chat   the target's own answers (T = 0.7, seeded, bfloat16 engine) to
+  chat   the target's own answers (T = 0.7, seeded, this engine in `--teacher-dtype`) to
          scripts/chat_prompts.training_prompts(), whose topics the held-out prompts do not use
+  magpie the target's answers (T = 0.7, every 5th greedy) to prompts the target wrote itself
+         (scripts/magpie_prompts.py; `--num-magpie`, none by default)
   code   windows of Python standard-library files (scripts/python_corpus.py)
-The teacher's outputs are computed once (`logits` stage): at every position the top-`--top-k`
-log-probabilities and the final normed hidden state. The loss is soft CE to the teacher's top-k
-restricted to the draft vocabulary (renormalised, = KL up to a constant), + `--hard` x CE on the
-teacher's argmax, + `--feature` x smooth-L1 between draft and teacher final hidden states.
+The teacher's outputs are computed once (`logits` stage, `--teacher-dtype`): at every position the
+top-`--top-k` log-probabilities and the final normed hidden state. The loss is soft CE to the
+teacher's top-k restricted to the draft vocabulary (renormalised, = KL up to a constant), + `--hard`
+x CE on the teacher's argmax, + `--feature` x smooth-L1 between draft and teacher final hidden states.
 
 Stages (``--stage``, a comma list):
   teacher  measures the target's generation tok/s and estimates the data stage's CPU time
-  data     generates the chat answers (keeping those already in data.pt) and the held-out answers
-           (HELDOUT, T = 0.7), cuts the code windows -> .cache/default_draft/data.pt
+  data     generates the held-out answers (HELDOUT, T = 0.7), cuts the code windows, generates the
+           chat answers and, with `--num-magpie`, the Magpie answers -> .cache/default_draft/data.pt;
+           a rerun keeps what data.pt already holds (see stage_data) and generates only the rest
   logits   the teacher's top-k and hidden states on every training sequence -> teacher.pt
   train    distils for `--minutes`, reports greedy agreement and expected acceptance sum_x min(p, q)
            at T = 0.7 (Leviathan et al. 2023, arXiv 2211.17192; q scattered to the full vocabulary)
@@ -31,7 +34,14 @@ Stages (``--stage``, a comma list):
            saves to `--out`: config.json, model.safetensors (bfloat16, no model.embed_tokens),
            draft_vocab.safetensors, the target's tokenizer files and train_result.json
 
-    nice -n 19 python scripts/train_default_draft.py --stage data,logits   # ~25 min on 2 busy cores
+    # the data in .cache/default_draft, on 1 core shared with other jobs: the float32 engine generates
+    # 30-50 tok/s, the logits stage ~75-95 positions/s
+    nice -n 19 python scripts/train_default_draft.py --stage data --threads 1 --num-chat 272 \
+        --num-code-windows 120                       # held-out and 272 chat answers: ~15 min
+    nice -n 19 python scripts/magpie_prompts.py --num-samples 3000 --chunk 384 --minutes 10 --threads 1
+    nice -n 19 python scripts/train_default_draft.py --stage data --threads 1 --num-chat 272 \
+        --num-code-windows 120 --num-magpie 309 --magpie-chunk 155 --data-minutes 14   # Magpie answers
+    nice -n 19 python scripts/train_default_draft.py --stage logits --threads 1     # ~106k positions: ~23 min
     nice -n 19 python scripts/train_default_draft.py --stage train --layers 0,1 --draft-vocab 8192 \
         --batch-size 8 --lr 1e-3 --minutes 38 --eval-every 250 --out .cache/default_draft/best
     nice -n 19 python scripts/draft_bench.py --threads 2     # batch-1 draft / target forward time
@@ -56,6 +66,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET = REPO_ROOT / "model_repository" / "llm_engine" / "1" / "target"
 CACHE = REPO_ROOT / ".cache" / "default_draft"
 SEQ_LEN = 256
+TRAIN_SPLITS = ("chat", "magpie", "code")  # data.pt's training sequences; "heldout" is never trained on
+MAGPIE_SEED = 1_000_000  # request seeds of the Magpie answers: MAGPIE_SEED + prompt index
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head dim x float32 bytes
 
 
 def load_target(dtype: torch.dtype):
@@ -71,16 +84,22 @@ def chat_ids(tok, prompt: str) -> list[int]:
     return tok(text, add_special_tokens=False).input_ids
 
 
-def generate_answers(prompts: list[list[int]], max_tokens: int, temperature: float, dtype: str,
-                     threads: int, seed0: int = 0) -> tuple[list[list[int]], float]:
-    """The target's answers, batched through this engine; returns (answers, generated tok/s)."""
+def generate_answers(prompts: list[list[int]], max_tokens: int, temperature: float | list[float], dtype: str,
+                     threads: int, seed0: int = 0, top_p: float = 1.0,
+                     max_num_seqs: int = 64) -> tuple[list[list[int]], float]:
+    """The target's answers, batched through this engine (request i seeded seed0 + i; temperature, one
+    for all or one per prompt, 0 is greedy); returns (answers, generated tok/s)."""
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(TARGET), dtype=dtype, num_threads=threads, max_num_seqs=64))
-    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed0 + i))
-           for i, p in enumerate(prompts)]
+    temperatures = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
+    longest = max(map(len, prompts)) + max_tokens
+    kv_bytes = max(256 * 2**20, 2 * max_num_seqs * longest * KV_BYTES_PER_TOKEN)  # no preemption
+    engine = LLMEngine(EngineConfig(model=str(TARGET), dtype=dtype, num_threads=threads, max_num_seqs=max_num_seqs,
+                                    kv_cache_memory_bytes=kv_bytes))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=t, top_p=top_p, seed=seed0 + i))
+           for i, (p, t) in enumerate(zip(prompts, temperatures))]
     answers: dict[str, list[int]] = {}
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -88,6 +107,16 @@ def generate_answers(prompts: list[list[int]], max_tokens: int, temperature: flo
             answers.setdefault(out.request_id, []).extend(out.token_ids)
     wall = time.perf_counter() - start
     return [answers[i] for i in ids], sum(map(len, answers.values())) / wall
+
+
+def kept_prefix(old: list[tuple[list[int], int]], prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    """The leading sequences of `old` whose prompts are `prompts`' (answers to keep: same prompt, same seed)."""
+    kept = []
+    for seq, prompt in zip(old, prompts):
+        if seq[0][:seq[1]] != prompt:
+            break
+        kept.append(seq)
+    return kept
 
 
 def code_windows(tok, num_windows: int, seed: int) -> list[list[int]]:
@@ -118,28 +147,79 @@ def stage_teacher(args) -> None:
 
 
 def stage_data(args) -> None:
-    """Chat answers, held-out answers and code windows into data.pt; answers already there are kept
-    (same prompts, same seeds), so a larger --num-chat generates only the missing ones."""
+    """Held-out answers, code windows and chat answers into data.pt, saved after each step and each
+    `--chat-chunk` chat answers; what is already there is kept (held-out answers to the same prompts,
+    the same number of code windows, the leading chat answers to the same prompts: request i is seeded
+    i whatever the chunking), so a rerun, or a larger --num-chat, generates only what is missing."""
     tok, _ = load_target(torch.float32)
     CACHE.mkdir(parents=True, exist_ok=True)
     old = torch.load(CACHE / "data.pt") if (CACHE / "data.pt").exists() else {}
-    prompts = [chat_ids(tok, p) for p in training_prompts(args.seed)[:args.num_chat]]
-    chat_seqs = [s for s, p in zip(old.get("chat", []), prompts) if s[0][:s[1]] == p]
-    todo = prompts[len(chat_seqs):]
-    if todo:
-        answers, tps = generate_answers(todo, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads,
-                                        seed0=len(chat_seqs))
-        chat_seqs += [(p + a, len(p)) for p, a in zip(todo, answers)]
-        print(f"chat answers: {len(answers)} new, {sum(map(len, answers))} tokens, {tps:.0f} tok/s")
+    data = dict(magpie=old.get("magpie", []))
     heldout = [chat_ids(tok, p) for p in HELDOUT]
     if [s[0][:s[1]] for s in old.get("heldout", [])] == heldout:
-        heldout_seqs = old["heldout"]
+        data["heldout"] = old["heldout"]
     else:
-        heldout_answers, _ = generate_answers(heldout, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads)
-        heldout_seqs = [(p + a, len(p)) for p, a in zip(heldout, heldout_answers)]
-    code = code_windows(tok, args.num_code_windows, args.seed)
-    torch.save(dict(chat=chat_seqs, heldout=heldout_seqs, code=[(w, 1) for w in code]), CACHE / "data.pt")
-    print(f"chat: {len(chat_seqs)} answers; code windows: {len(code)} x {SEQ_LEN} tokens; saved {CACHE / 'data.pt'}")
+        answers, tps = generate_answers(heldout, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads)
+        data["heldout"] = [(p + a, len(p)) for p, a in zip(heldout, answers)]
+        print(f"held-out answers: {len(answers)}, {sum(map(len, answers))} tokens, {tps:.0f} tok/s", flush=True)
+    if len(old.get("code", [])) == args.num_code_windows:
+        data["code"] = old["code"]  # code_windows is deterministic: the same count, the same windows
+    else:
+        data["code"] = [(w, 1) for w in code_windows(tok, args.num_code_windows, args.seed)]
+    prompts = [chat_ids(tok, p) for p in training_prompts(args.seed)[:args.num_chat]]
+    data["chat"] = kept_prefix(old.get("chat", []), prompts)
+    torch.save(data, CACHE / "data.pt")
+    start = time.monotonic()
+    while len(data["chat"]) < len(prompts):
+        first = len(data["chat"])
+        todo = prompts[first:first + args.chat_chunk]
+        answers, tps = generate_answers(todo, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads,
+                                        seed0=first)
+        data["chat"] += [(p + a, len(p)) for p, a in zip(todo, answers)]
+        torch.save(data, CACHE / "data.pt")
+        print(f"chat answers: {len(data['chat'])} of {len(prompts)}, {sum(map(len, answers))} tokens in the last "
+              f"chunk, {tps:.0f} tok/s, {(time.monotonic() - start) / 60:.1f} min", flush=True)
+    print(f"chat: {len(data['chat'])} answers; code windows: {len(data['code'])} x {SEQ_LEN} tokens; "
+          f"magpie: {len(data['magpie'])} answers; saved {CACHE / 'data.pt'}", flush=True)
+    if args.num_magpie:
+        magpie_answers(tok, data, args)
+
+
+def magpie_answers(tok, data: dict, args) -> None:
+    """The target's answers to the first `--num-magpie` prompts of scripts/magpie_prompts.py into
+    data["magpie"]: every `--magpie-greedy-every`-th greedy, the others at T = 0.7 (prompt i seeded
+    MAGPIE_SEED + i), up to `--magpie-answer-tokens` tokens, in chunks of `--magpie-chunk` (one engine
+    run each) saved as they finish; no chunk starts that would end (as long as the last) after
+    `--data-minutes`. Answers already there
+    (the leading ones, to the same prompts) are kept."""
+    import json
+
+    texts = json.loads((CACHE / "magpie_prompts.json").read_text())["prompts"][:args.num_magpie]
+    assert not {" ".join(t.lower().split()) for t in texts} & {" ".join(t.lower().split()) for t in HELDOUT}
+    prompts = [chat_ids(tok, t) for t in texts]
+    seqs = kept_prefix(data["magpie"], prompts)
+    every = args.magpie_greedy_every
+    start, tokens, wall, last = time.monotonic(), 0, 0.0, 0.0
+    while len(seqs) < len(prompts):
+        if args.data_minutes and time.monotonic() - start + last > args.data_minutes * 60:
+            print(f"magpie answers: stopped, another chunk (~{last / 60:.1f} min) would end after "
+                  f"{args.data_minutes} minutes")
+            break
+        first = len(seqs)
+        chunk = prompts[first:first + args.magpie_chunk]
+        temperatures = [0.0 if every and (first + i) % every == 0 else 0.7 for i in range(len(chunk))]
+        tick = time.monotonic()
+        answers, _ = generate_answers(chunk, args.magpie_answer_tokens, temperatures, args.teacher_dtype, args.threads,
+                                      seed0=MAGPIE_SEED + first, max_num_seqs=128)
+        last = time.monotonic() - tick
+        wall += last
+        seqs += [(p + a, len(p)) for p, a in zip(chunk, answers)]
+        tokens += sum(map(len, answers))
+        data["magpie"] = seqs
+        torch.save(data, CACHE / "data.pt")
+        print(f"magpie answers: {len(seqs)} of {len(prompts)}, {tokens} tokens this run, {tokens / wall:.0f} tok/s, "
+              f"{(time.monotonic() - start) / 60:.1f} min", flush=True)
+    print(f"magpie: {len(seqs)} answers, {sum(len(ids) - n for ids, n in seqs)} answer tokens", flush=True)
 
 
 def draft_config(target_config, layers: list[int], vocab_size: int):
@@ -219,19 +299,20 @@ def padded(sequences: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tens
 
 @torch.inference_mode()
 def stage_logits(args) -> None:
-    """The target's outputs on every training sequence, once (bfloat16 autocast): at each position the
-    top-`--top-k` log-probabilities (T = 1) with their token ids and the final (normed) hidden state."""
+    """The target's outputs on every training sequence, once (in `--teacher-dtype`: float32, or bfloat16
+    autocast): at each position the top-`--top-k` log-probabilities (T = 1) with their token ids and the
+    final (normed) hidden state (stored in bfloat16)."""
     tok, target = load_target(torch.float32)
     data = torch.load(CACHE / "data.pt")
     cache, start = {}, time.monotonic()
-    for split in ("chat", "code"):
-        seqs = [(ids[:SEQ_LEN], s) for ids, s in data[split]]
+    for split in TRAIN_SPLITS:
+        seqs = [(ids[:SEQ_LEN], s) for ids, s in data.get(split, [])]
         out: list[dict | None] = [None] * len(seqs)
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
         for b in range(0, len(order), args.batch_size):
             rows = order[b:b + args.batch_size]
             input_ids, _ = padded([seqs[i] for i in rows], tok.pad_token_id)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.teacher_dtype == "bfloat16"):
                 hidden = target.model(input_ids).last_hidden_state
                 logp = F.log_softmax(target.lm_head(hidden).float(), -1)
             top = logp.topk(args.top_k, -1)
@@ -250,8 +331,8 @@ def select_vocab(data: dict, teacher: dict, size: int, vocab_size: int) -> torch
     """The `size` most frequent tokens (ascending ids) among the training answers' tokens, the code
     windows' tokens and the teacher's argmax at every loss position (FR-Spec, 2025)."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for split in ("chat", "code"):
-        for (ids, start), t in zip(data[split], teacher[split]):
+    for split in TRAIN_SPLITS:
+        for (ids, start), t in zip(data.get(split, []), teacher.get(split, [])):
             ids = ids[:SEQ_LEN]
             counts += torch.bincount(torch.tensor(ids[max(start, 1):]), minlength=vocab_size)
             counts += torch.bincount(t["ids"][max(start - 1, 0):len(ids) - 1, 0].long(), minlength=vocab_size)
@@ -295,7 +376,8 @@ class HeldOut:
 
 def train_batches(data: dict, teacher: dict, batch_size: int, seed: int, pad: int):
     """Endless shuffled batches of similar lengths: (input_ids, mask, top ids, top logp, hidden)."""
-    items = [((ids[:SEQ_LEN], s), t) for split in ("chat", "code") for (ids, s), t in zip(data[split], teacher[split])]
+    items = [((ids[:SEQ_LEN], s), t) for split in TRAIN_SPLITS
+             for (ids, s), t in zip(data.get(split, []), teacher.get(split, []))]
     rng = random.Random(seed)
     while True:
         rng.shuffle(items)
@@ -406,7 +488,16 @@ def main() -> None:
     ap.add_argument("--num-chat", type=int, default=680)
     ap.add_argument("--num-code-windows", type=int, default=800)
     ap.add_argument("--max-answer-tokens", type=int, default=160)
-    ap.add_argument("--teacher-dtype", default="bfloat16")
+    ap.add_argument("--chat-chunk", type=int, default=136, help="chat answers per engine run; saved after each")
+    ap.add_argument("--num-magpie", type=int, default=0, help="answers to this many scripts/magpie_prompts.py prompts")
+    ap.add_argument("--magpie-answer-tokens", type=int, default=128)
+    ap.add_argument("--magpie-greedy-every", type=int, default=5, help="every n-th Magpie answer greedy (0: none)")
+    ap.add_argument("--magpie-chunk", type=int, default=256)
+    ap.add_argument("--data-minutes", type=float, default=0.0,
+                    help="start no Magpie chunk that would end (as long as the last) after this long (0: no limit)")
+    ap.add_argument("--teacher-dtype", default="float32",
+                    help="the engine's for the answers, and the logits stage's (float32 runs ~4.6x faster than "
+                    "bfloat16 on a CPU without native bfloat16)")
     ap.add_argument("--teacher-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)

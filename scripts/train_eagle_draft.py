@@ -20,7 +20,8 @@ train_default_draft.distil_loss on the shifted positions. `--ttt D` also unrolls
 chained drafting does, on the head's own f^ with the true next tokens (training-time test, EAGLE-3,
 arXiv 2503.01840): depth d + 1 from n is scored against the teacher at n + 1 + d; the losses add.
 
-Data: train_default_draft's data.pt and teacher.pt (bfloat16 teacher's top-32 and hidden states).
+Data: train_default_draft's data.pt and teacher.pt (the teacher's top-32 and hidden states).
+
 Held-out (the prompts of scripts/chat_prompts.HELDOUT; float32 target, cached in heldout.pt):
   sampled  data.pt's T = 0.7 answers, as train_default_draft's HeldOut: step-1 greedy agreement
            with the target's argmax and expected acceptance sum_x min(p, q) at T = 0.7
@@ -34,14 +35,15 @@ draft (train_default_draft.load_draft).
 Saved to `--out`: config.json, model.safetensors (bfloat16), draft_vocab.safetensors (`token_ids`,
 int64 ascending) and train_result.json; the summary goes to `--result`.
 
-The saved head (.cache/eagle_draft/head) was trained in two runs, 10 + 15 minutes on 1 busy core:
+The saved head (.cache/eagle_draft/head) was trained in two runs, 8 + 10 minutes on 1 busy core
+(float32; `--bf16` autocast is several times slower on a CPU without native bfloat16):
 
-    nice -n 19 python scripts/train_eagle_draft.py --minutes 10 \
-        --eval-every 100 --patience 3 --baseline .cache/default_draft/best \
+    nice -n 19 python scripts/train_eagle_draft.py --threads 1 --minutes 8 --eval-every 40 --patience 3 \
         --out .cache/eagle_draft/runs/f_long --result .cache/eagle_draft/runs/f_long/result.json
-    nice -n 19 python scripts/train_eagle_draft.py --init .cache/eagle_draft/runs/f_long --ttt 1 --lr 2e-3 \
-        --minutes 15 --eval-every 100 --patience 4 --baseline .cache/default_draft/best \
-        --out .cache/eagle_draft/head
+    nice -n 19 python scripts/train_eagle_draft.py --threads 1 --init .cache/eagle_draft/runs/f_long \
+        --lr 3e-3 --minutes 10 --eval-every 40 --patience 4 --out .cache/eagle_draft/head
+
+(still improving at the end; with more time, a longer second run and then one with `--ttt 1`).
 """
 
 from __future__ import annotations
@@ -350,7 +352,7 @@ def train_step(head, embed, opt, batch, index, args) -> tuple[int, list[tuple]]:
     depths' losses summed. Returns (depth-1 positions, each depth's (soft CE, hard CE, smooth-L1))."""
     input_ids, mask, top_ids, top_logp, hidden = batch
     embeds = embed(input_ids)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
         outs = head.unroll(embeds[:, 1:], hidden[:, :-1], 1 + args.ttt, lambda d, feats: embeds[:, 1 + d:])
         sels = [mask[:, 1 + d:] for d in range(len(outs))]
         feats = [out[sel] for out, sel in zip(outs, sels)]
@@ -483,6 +485,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--ce-weight", type=float, default=1.0, help="w: loss = smooth-L1 + w x (soft CE + hard x CE)")
     ap.add_argument("--hard", type=float, default=0.0, help="weight of CE on the teacher's argmax, inside w")
+    ap.add_argument("--bf16", action="store_true",
+                    help="bfloat16 autocast in training (on a CPU without native bfloat16, slower than float32)")
     ap.add_argument("--ttt", type=int, default=0, help="extra depths trained on the head's own features")
     ap.add_argument("--init", default="", help="a saved head to continue training (instead of a new one)")
     ap.add_argument("--k", type=int, default=3, help="drafts per verification in the chained measurement")
