@@ -211,15 +211,18 @@ class ExperimentGate:
     and weight changes at run time (the admin key's, compared in constant time)."""
 
     def __init__(self, experiment: Experiment, admin_key: str | None, rollout: RolloutPlan | None = None):
-        self.experiment = experiment
-        self.recorder = ExperimentRecorder(experiment)
+        self.recorder = ExperimentRecorder(experiment)  # holds the experiment, weights as they are now
         self.admin_key = admin_key
         self.rollout = Rollout(rollout, self.recorder) if rollout is not None else None
         if self.rollout is not None:
             self._apply(self.rollout.weights())
 
+    @property
+    def experiment(self) -> Experiment:
+        return self.recorder.experiment
+
     def _apply(self, weights: dict[str, float]) -> None:
-        self.experiment = self.recorder.experiment = self.experiment.with_weights(weights)
+        self.recorder.experiment = self.experiment.with_weights(weights)
         log.info("experiment %s: weights now %s", self.experiment.name, weights)
 
     async def guard_rollout(self, interval_s: float) -> None:

@@ -11,8 +11,9 @@ mask (greedy: the argmax of the masked logits). With speculation the drafts are 
 p' exactly as against p (rejection_sampler.py): draft d_i, drawn from any q_i, is kept with
 probability min(1, p'_i(d_i) / q_i(d_i)), and a rejection draws from norm(max(0, p'_i - q_i)), so
 each kept token is distributed as p'_i. A draft the grammar forbids has p'_i(d_i) = 0 and is always
-rejected, and the residual is 0 wherever p'_i is, so no forbidden token is ever drawn. So constrained speculative output follows the constrained
-target exactly, and greedy constrained output is the same with and without speculation.
+rejected, and the residual is 0 wherever p'_i is, so no forbidden token is ever drawn. So
+constrained speculative output follows the constrained target exactly, and greedy constrained
+output is the same with and without speculation.
 """
 from __future__ import annotations
 
