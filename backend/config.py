@@ -10,6 +10,15 @@ from backend.errors import ValidationError
 
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("none", "draft", "eagle", "ngram")
+QUANTIZATION_MODES = ("none", "int8", "int4")  # weight-only (backend/model/quantized_linear.py)
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def check_quantization(mode: str, group_size: int) -> None:
+    if mode not in QUANTIZATION_MODES:
+        raise ValidationError("quantization", f"must be one of {QUANTIZATION_MODES}, got {mode!r}")
+    if mode == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValidationError("quantization_group_size", f"must be one of {INT4_GROUP_SIZES}, got {group_size}")
 
 
 @dataclass(slots=True)
@@ -17,6 +26,8 @@ class EngineConfig:
     model: str  # local HF checkpoint directory (config.json, *.safetensors, tokenizer)
     tokenizer: str | None = None  # defaults to `model`
     dtype: str = "float32"
+    quantization: str = "none"  # the target's weights: "none", "int8" (per row), "int4" (per group)
+    quantization_group_size: int = 32  # int4: input columns sharing a scale and minimum (32, 64, 128)
     device: str = "auto"  # "auto": cuda if available, else cpu
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_bytes: int = 256 * 2**20  # KV pool budget on CPU (both draft and target)
@@ -51,6 +62,7 @@ class EngineConfig:
             self.tokenizer = self.model
         if self.dtype not in DTYPES:
             raise ValidationError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        check_quantization(self.quantization, self.quantization_group_size)
         if self.draft_dtype is None:
             self.draft_dtype = self.dtype
         if self.draft_dtype not in DTYPES:

@@ -126,7 +126,9 @@ class LLMEngine:
             self.workers = WorkerGroup(config)
         try:
             rank = self.workers.tensor_parallel if self.workers is not None else None
-            model, _ = load_model(config.model, config.dtype, self.device, self.max_model_len, rank, stage)
+            model, _ = load_model(config.model, config.dtype, self.device, self.max_model_len, rank, stage,
+                                  quantization=config.quantization,
+                                  quantization_group_size=config.quantization_group_size)
             self.model = model
             self._build(config, model, hf_config)
         except BaseException:

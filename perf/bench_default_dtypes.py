@@ -111,8 +111,9 @@ def prefill_tokens_per_s(model, vocab_size: int, length: int = 512, repeats: int
 
 
 def engine_generate(model_dir: Path, dtype: str, prompts: list[list[int]], max_tokens: int, eos: int,
-                    threads: int, batch: int) -> tuple[list[list[int]], float]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, num_threads=threads, max_num_seqs=64))
+                    threads: int, batch: int, engine: LLMEngine | None = None) -> tuple[list[list[int]], float]:
+    """Greedy answers and tok/s with `batch` requests in flight, from `engine` (else a new one)."""
+    engine = engine or LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, num_threads=threads, max_num_seqs=64))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     engine.add_request(prompts[0], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     while engine.has_unfinished_requests():

@@ -66,7 +66,7 @@ def tune_small_batch_linears(model: nn.Module) -> dict[tuple[int, int], dict]:
     and both kernels' times at each row count measured ({} when tuning failed)."""
     by_shape: dict[tuple[int, int], list[Linear]] = {}
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.quantized is None:  # (quantized: its own kernels)
             by_shape.setdefault(tuple(module.weight.shape), []).append(module)
     try:
         return _tune(model, by_shape)

@@ -56,13 +56,17 @@ PACKED_PROJECTIONS = {
 class Linear(nn.Linear):
     """nn.Linear that runs the Triton small-batch kernel (kernels/gemv.py) for up to
     `gemv_max_rows` rows of input, where the engine measured it faster than torch's matmul for
-    this weight's shape (backend/model/linear_tuner.py; 0: never)."""
+    this weight's shape (backend/model/linear_tuner.py; 0: never). With weight-only quantization
+    its `quantized` layer holds the weight and bias instead (backend/model/quantized_linear.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.gemv_max_rows = 0
+        self.quantized: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x)
         if self.gemv_max_rows and x.shape[0] <= self.gemv_max_rows:
             return gemv(x, self.weight, self.bias)
         return super().forward(x)

@@ -33,6 +33,7 @@ from backend.model.pipeline_parallel import (
     split_model,
     stage_parameter_name,
 )
+from backend.model.quantized_linear import quantize_linears
 from backend.model.tensor_parallel import (
     TensorParallelRank,
     checkpoint_slice,
@@ -105,11 +106,13 @@ def load_model(
     model_dir: str | Path, dtype: str, device: torch.device, max_model_len: int,
     tensor_parallel: TensorParallelRank | None = None, stage: PipelineStage | None = None,
     head_rows: int | None = None, embeddings: torch.Tensor | None = None,
+    quantization: str = "none", quantization_group_size: int = 32,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """The model; with `stage` only that pipeline stage's part of it; with `tensor_parallel` one
     rank's shard of that. A draft may have an lm_head of `head_rows` rows (a reduced
     vocabulary) and take its `embeddings` [vocab, hidden] from the target when its checkpoint
-    has none (shared when the dtypes match)."""
+    has none (shared when the dtypes match). With `quantization` its linear layers are made
+    weight-only quantized from the loaded weights (backend/model/quantized_linear.py)."""
     config = load_hf_config(model_dir)
     args = model_args(config)
     inv_freq, scaling = rope_inverse_frequencies(config, args.head_dim)
@@ -142,6 +145,7 @@ def load_model(
     _load_weights(model, Path(model_dir), device, select, stage, given)
     if model.shares_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    quantize_linears(model, quantization, quantization_group_size)
     return model.eval(), config
 
 

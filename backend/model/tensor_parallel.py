@@ -82,9 +82,10 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight[start:stop].clone(), requires_grad=False)
         self.rows_per_rank, self.vocab_size, self.all_gather = rows_per_rank, vocab_size, all_gather
+        self.quantized: nn.Module | None = None  # weight-only quantization: holds the weight instead
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        scores = nn.functional.linear(x, self.weight)
+        scores = nn.functional.linear(x, self.weight) if self.quantized is None else self.quantized(x)
         padded = nn.functional.pad(scores, (0, self.rows_per_rank - scores.shape[1]))  # equal shapes to gather
         return torch.cat(self.all_gather(padded), dim=1)[:, : self.vocab_size]
 

@@ -52,7 +52,8 @@ def run_rank(groups: RankGroups, config: EngineConfig) -> list[tuple[float, floa
     max_model_len = config.max_model_len or hf_config.max_position_embeddings
     stage = pipeline_stage(hf_config.num_hidden_layers, groups.stage, groups.num_stages,
                            config.pipeline_layer_partition)
-    model, _ = load_model(config.model, config.dtype, device, max_model_len, groups.tensor_parallel(), stage)
+    model, _ = load_model(config.model, config.dtype, device, max_model_len, groups.tensor_parallel(), stage,
+                          quantization=config.quantization, quantization_group_size=config.quantization_group_size)
     attention = make_attention_backend(config.attention_backend, device)
     model.use_triton_kernels(attention.name == "triton")
     num_blocks = groups.broadcast_num_blocks(None)  # rank 0's KV pool size

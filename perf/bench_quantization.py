@@ -1,0 +1,160 @@
+"""Weight-only quantization of the default model (`quantization`: int8, int4 by group size): quality
+against float32 and the batch-1 step against the floor of the bytes it reads, all in one run.
+
+Quality, on the held-out chat and code prompts (scripts/chat_prompts.py, chat template), greedy:
+  agreement   teacher-forced top-1 agreement with float32: each mode's argmax at every position of
+              float32's own answers (HF transformers' model with this engine's quantized layers
+              swapped in, so numeric drift is measured without a diverged prefix compounding)
+  identical   answers from this engine identical to its float32 answers, and the common prefix as
+              a share of float32's tokens
+  perplexity  on windows of held-out standard-library code (perf/prompts.py), relative to float32's
+Speed, in-process (LLMEngine): the median batch-1 decode step, the bytes of weight it reads and
+their floor at the machine's read bandwidth (measured here: a float32 sum over 1 GiB), and tok/s
+with every prompt in flight.
+
+    python perf/bench_quantization.py --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from backend.config import EngineConfig  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.model.quantized_linear import swap_linears  # noqa: E402
+from backend.sampling_params import SamplingParams  # noqa: E402
+from perf.bench_default_dtypes import common_prefix, engine_generate, teacher_forced_agreement  # noqa: E402
+from perf.prompts import DEFAULT_TARGET, chat_prompts, heldout_texts  # noqa: E402
+
+MODES = {  # name -> (quantization, group size)
+    "float32": ("none", 32),
+    "int8": ("int8", 32),
+    "int4 g32": ("int4", 32),
+    "int4 g64": ("int4", 64),
+}
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second a float32 sum streams from memory with torch's threads."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / min(times)
+
+
+def code_windows(tokenizer, n: int, length: int) -> list[list[int]]:
+    windows = []
+    for text in heldout_texts():
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        for start in range(0, len(ids) - length, length * 4):
+            windows.append(ids[start:start + length])
+            if len(windows) == n:
+                return windows
+    return windows
+
+
+@torch.inference_mode()
+def perplexity(model, windows: list[list[int]]) -> float:
+    nll, count = 0.0, 0
+    for ids in windows:
+        x = torch.tensor([ids])
+        logits = model(x).logits[0, :-1].float()
+        nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+        count += len(ids) - 1
+    return float(torch.exp(torch.tensor(nll / count)))
+
+
+def batch1_step_ms(engine: LLMEngine, prompt: list[int], steps: int) -> float:
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weight a decode step reads: every linear layer's weights (and scales) and one
+    embedding row per token."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if tensor is not None and tensor.dim() >= 1 and module.__class__.__name__ != "RotaryEmbedding":
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=DEFAULT_TARGET)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=40)
+    p.add_argument("--windows", type=int, default=16, help="perplexity windows of --window tokens")
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--steps", type=int, default=48, help="batch-1 decode steps timed")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    eos = tokenizer.eos_token_id
+    prompts = chat_prompts(tokenizer, args.prompts)
+    windows = code_windows(tokenizer, args.windows, args.window)
+    bandwidth = read_bandwidth()
+    rows, reference, reference_ppl = [], None, None
+    for name in args.modes:
+        mode, group = MODES[name]
+        engine = LLMEngine(EngineConfig(model=str(args.model), num_threads=args.threads, max_num_seqs=64,
+                                        quantization=mode, quantization_group_size=group))
+        outputs, tok_s = engine_generate(args.model, "float32", prompts, args.max_tokens, eos, args.threads,
+                                         len(prompts), engine=engine)
+        step_ms = batch1_step_ms(engine, prompts[0], args.steps)
+        weight_bytes = weight_bytes_per_step(engine.model)
+        engine.close()
+        del engine
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True).eval()
+        swap_linears(hf, mode, group)
+        if reference is None:
+            reference = outputs
+        answer_tokens = sum(len(r) for r in reference)
+        agreement = teacher_forced_agreement(hf, prompts, reference)
+        ppl = perplexity(hf, windows)
+        reference_ppl = reference_ppl or ppl
+        identical = sum(o == r for o, r in zip(outputs, reference))
+        prefix = sum(common_prefix(o, r) for o, r in zip(outputs, reference)) / answer_tokens
+        floor_ms = weight_bytes / bandwidth * 1e3
+        rows.append((name, agreement, identical, prefix, ppl, ppl / reference_ppl - 1, weight_bytes, step_ms,
+                     floor_ms, tok_s))
+        print(f"{name}: done", flush=True)
+        del hf
+    print(f"\n{args.model.name}, {args.threads} torch thread(s), {len(prompts)} held-out prompts x {args.max_tokens} "
+          f"tokens ({answer_tokens} float32 answer tokens), perplexity on {len(windows)} x {args.window} tokens of "
+          f"held-out code; read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
+    print("| mode | agreement | identical answers | common prefix | perplexity (vs float32) | weights read per "
+          "step | batch-1 step | floor | step / floor | tok/s, all in flight |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, agreement, identical, prefix, ppl, rel, weight_bytes, step_ms, floor_ms, tok_s in rows:
+        print(f"| {name} | {agreement:.4f} | {identical}/{len(prompts)} | {prefix:.3f} | {ppl:.3f} ({rel:+.2%}) | "
+              f"{weight_bytes / 1e6:.0f} MB | {step_ms:.1f} ms | {floor_ms:.1f} ms | {step_ms / floor_ms:.2f}x | "
+              f"{tok_s:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Weight-only quantized linears (backend/model/quantized_linear.py): what they hold, what they
+compute, what they replace, and the configuration they refuse."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from backend.config import EngineConfig
+from backend.errors import ValidationError
+from backend.model.model import Linear
+from backend.model.quantized_linear import Int4Linear, Int8Linear, quantize_linears, swap_linears
+from backend.model.tensor_parallel import RowParallelLinear
+
+
+def q4_1_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Weights as GGUF's Q4_1 blocks of 32 dequantize: q * d + m with float16 d and m, q in 0..15
+    and every block using both ends of its range."""
+    g = torch.randn(rows, cols // 32, 32, generator=torch.Generator().manual_seed(seed))
+    low = g.amin(-1)
+    step = ((g.amax(-1) - low) / 15).half().float()
+    low = low.half().float()
+    q = ((g - low[..., None]) / step[..., None]).round().clamp(0, 15)
+    return (q * step[..., None] + low[..., None]).view(rows, cols), step
+
+
+def test_int4_holds_q4_1_weights_to_the_bfloat16_rounding_of_scale_and_minimum():
+    w, step = q4_1_weight(40, 128)  # 40 rows: padded to 48 inside, sliced off again
+    layer = Int4Linear(w, None, 32)
+    back = layer.dequantized_weight()
+    assert back.shape == w.shape
+    codes = layer.codes()
+    assert codes.min() >= 0 and codes.max() <= 15 and torch.equal(codes, codes.round())
+    err = (back - w).abs().view(40, 4, 32).amax(-1)
+    # bfloat16 keeps 8 significant bits: each group's zero (a value about the size of its weights)
+    # and step are off by at most half a unit there, and the codes are rounded against them
+    bound = w.abs().view(40, 4, 32).amax(-1) * 2**-8 + 15 * step * 2**-8
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert float(err.max()) < float(step.min()) / 2  # every weight is nearer its own code than the next
+
+
+def test_int4_forward_is_the_bfloat16_product_with_its_dequantized_weight():
+    w, _ = q4_1_weight(64, 96 * 2)
+    bias = torch.randn(64)
+    layer = Int4Linear(w, bias, 64)
+    x = torch.randn(5, 192)
+    expected = x.bfloat16().float() @ layer.dequantized_weight().t() + bias
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (5, 64)
+    torch.testing.assert_close(y, expected, atol=0.05, rtol=0.02)  # the kernel's output is bfloat16
+    torch.testing.assert_close(layer(x.view(1, 5, 192))[0], y)  # leading dims are flattened
+
+
+def test_int8_is_within_half_a_step_per_row():
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+    layer = Int8Linear(w, None)
+    step = w.abs().amax(1) / 127
+    err = (layer.dequantized_weight() - w).abs().amax(1)
+    assert bool((err <= step / 2 + w.abs().amax(1) * 2**-8).all())
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x.bfloat16().float() @ layer.dequantized_weight().t(), atol=0.05, rtol=0.02)
+
+
+def test_every_linear_multiplies_through_its_quantized_layer_and_keeps_its_forward():
+    """The model's own Linear and the tensor-parallel layers keep their forward (a row-parallel
+    layer still all-reduces); a tied lm_head gets its own copy and the embedding table stays."""
+    torch.manual_seed(0)
+    reduced = []
+    embed = nn.Embedding(64, 32)
+    model = nn.ModuleDict({
+        "embed": embed, "proj": Linear(32, 48, bias=True), "head": Linear(32, 64, bias=False),
+        "row": RowParallelLinear(32, 16, True, 0, reduced.append),
+    })
+    model["head"].weight = embed.weight
+    embed_before = embed.weight.detach().clone()
+    x = torch.randn(3, 32)
+    float_out = {name: model[name](x) for name in ("proj", "head", "row")}
+    reduced.clear()
+    read = quantize_linears(model, "int8")
+    assert model["embed"] is embed and torch.equal(embed.weight, embed_before)
+    for name in ("proj", "head", "row"):
+        layer = model[name]
+        assert isinstance(layer.quantized, Int8Linear) and layer.weight is None and layer.bias is None
+        torch.testing.assert_close(layer(x), float_out[name], atol=0.05, rtol=0.05)
+    assert len(reduced) == 1  # the row-parallel layer's all-reduce ran
+    assert read == sum(b.numel() * b.element_size() for n in ("proj", "head", "row") for b in model[n].buffers())
+    assert read < (48 + 64 + 16) * 32 * 4 / 3  # about a quarter of the float32 bytes, plus scales and biases
+    untouched = nn.ModuleDict({"proj": Linear(32, 48, bias=False)})
+    assert quantize_linears(untouched, "none") == 0 and untouched["proj"].quantized is None
+
+
+def test_swap_linears_replaces_torch_linears():
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 32, bias=False))
+    swap_linears(model, "int8")
+    assert isinstance(model[0], Int8Linear) and isinstance(model[2], Int8Linear)
+    assert model(torch.randn(2, 32)).shape == (2, 32)
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"quantization": "int3"}, "quantization"),
+    ({"quantization": "fp4"}, "quantization"),
+    ({"quantization": "int4", "quantization_group_size": "48"}, "quantization_group_size"),
+])
+def test_bad_quantization_is_refused_by_name(tiny_llama, values, field):
+    with pytest.raises(ValidationError) as e:
+        EngineConfig.from_strings({"model": str(tiny_llama), **values})
+    assert e.value.field == field
+
+
+def test_a_group_size_that_does_not_divide_a_layer_is_refused():
+    with pytest.raises(ValidationError) as e:
+        Int4Linear(torch.randn(16, 96), None, 64)
+    assert e.value.field == "quantization_group_size" and "96" in e.value.message
