@@ -14,21 +14,36 @@ import torch
 from kernels.kv_cache import store_kvcache_ref
 
 
+def rotary_tables(
+    positions: torch.Tensor,  # [num_tokens]
+    cos: torch.Tensor,  # [max_positions, head_dim // 2] float32
+    sin: torch.Tensor,  # [max_positions, head_dim // 2] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's rotation as two [num_tokens, 1, head_dim] float32 factors (cos, cos) and
+    (-sin, sin): every layer of a step rotates by the same ones (see `rotate`)."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    return torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1)
+
+
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim] rotated: x * (cos, cos) + (x2, x1) * (-sin, sin), the same
+    products and sums as (x1 cos - x2 sin, x2 cos + x1 sin) and as HF's x * cos + rotate_half(x)
+    * sin (no fused multiply-add, which would round differently)."""
+    c, s = tables
+    h = x.float()
+    return (h * c + h.roll(x.shape[-1] // 2, dims=-1) * s).to(x.dtype)
+
+
 def apply_rotary_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     positions: torch.Tensor,  # [num_tokens]
     cos: torch.Tensor,  # [max_positions, head_dim // 2] float32
     sin: torch.Tensor,  # [max_positions, head_dim // 2] float32
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,  # rotary_tables(positions, cos, sin), when shared
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    c = cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2]
-    s = sin[positions].unsqueeze(1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
+    tables = tables or rotary_tables(positions, cos, sin)
+    return rotate(q, tables), rotate(k, tables)
 
 
 def rotary_store_kv_ref(
@@ -41,8 +56,9 @@ def rotary_store_kv_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens], PAD_SLOT to skip
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,  # rotary_tables(positions, cos, sin), when shared
 ) -> torch.Tensor:  # rotated q
-    q, k = apply_rotary_ref(q, k, positions, cos, sin)
+    q, k = apply_rotary_ref(q, k, positions, cos, sin, tables)
     store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
 

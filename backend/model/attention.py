@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.paged_attention import ReferencePlan, paged_attention_ref, plan_reference
-from kernels.rotary import rotary_store_kv_ref
+from kernels.rotary import rotary_store_kv_ref, rotary_tables
 
 
 @dataclass(slots=True)
@@ -41,8 +41,16 @@ class AttentionBackend:
 class TorchAttention(AttentionBackend):
     name = "torch"
 
+    def __init__(self) -> None:
+        # the rotation of the last positions seen, (positions, cos table, its rotary_tables): every
+        # layer of a step passes the same tensors, so the first computes it and the others reuse it
+        self._rotation: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+
     def rotate_and_store(self, q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
-        return rotary_store_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+        last = self._rotation
+        if last is None or last[0] is not positions or last[1] is not cos:
+            last = self._rotation = (positions, cos, rotary_tables(positions, cos, sin))
+        return rotary_store_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, last[2])
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.reference_plan is None:  # first layer of the step; the others reuse it

@@ -38,8 +38,9 @@ def test_quantized_engine_matches_hf_with_the_same_layers(arch, mode, group_size
     engine = LLMEngine(EngineConfig(model=str(model_dir), quantization=mode, quantization_group_size=group_size,
                                     max_num_batched_tokens=48, num_threads=1))
     kind = Int8Linear if mode == "int8" else Int4Linear
-    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
-    assert linears and all(isinstance(m.quantized, kind) and m.weight is None for m in linears)
+    layers = [m for m in engine.model.model.modules() if isinstance(m, Linear)]
+    assert layers and all(isinstance(m.quantized, kind) and m.weight is None for m in layers)
+    assert isinstance(engine.model.lm_head.quantized, Int8Linear)  # in both modes
     prompts, max_tokens = mixed_prompts(12, seed=3)
     got = run_engine(engine, prompts, max_tokens)
     assert got == hf_quantized_greedy(model_dir, mode, group_size, prompts, max_tokens)
