@@ -23,6 +23,8 @@ class ShortQueries:
     block_tables: torch.Tensor  # [R, num_blocks]
     mask: torch.Tensor  # [R, n_max, num_blocks * block_size] True = attend (causal and in range)
     grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> _attend's mask
+    page_ids: torch.Tensor | None = None  # block_tables flattened for _gather_pages, made once a step
+    decode: bool = False  # every row of q is one request's only query, in order: a decode step
 
 
 @dataclass(slots=True)
@@ -45,7 +47,9 @@ class ReferencePlan:
 
 
 def plan_reference(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   block_size: int) -> ReferencePlan:
+                   block_size: int, pool_blocks: int) -> ReferencePlan:
+    """`pool_blocks`: the KV pool's blocks, which bound the ids gathered (padding entries of a table may hold
+    any value)."""
     device = seq_lens.device
     starts = cu_seqlens_q[:-1].tolist()
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
@@ -64,7 +68,9 @@ def plan_reference(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
         num_blocks = (max(lens[b] for b in picked) + block_size - 1) // block_size
         tables = block_tables.index_select(0, torch.tensor(picked, device=device))[:, :num_blocks]
         k_pos = torch.arange(num_blocks * block_size, device=device)
-        short = ShortQueries(token_rows, valid, tables, k_pos <= q_pos[:, :, None])
+        short = ShortQueries(token_rows, valid, tables, k_pos <= q_pos[:, :, None],
+                             page_ids=tables.reshape(-1).long().clamp(0, pool_blocks - 1),
+                             decode=n_max == 1 and len(picked) == len(q_lens) and starts == list(range(len(starts))))
     long = []
     for b, n in enumerate(q_lens):
         if n <= SHORT_QUERY:
@@ -78,11 +84,12 @@ def plan_reference(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
     return ReferencePlan(short, long)
 
 
-def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """[rows, kv_heads, num_blocks * block_size, head_dim] (a head-major view): each row's pages
-    in order. Padding entries of a table (past a row's own length, masked) may hold any value."""
+    in order. Padding entries of a table (past a row's own length, masked) may hold any value:
+    they are clamped into the pool. `ids`: that, made already."""
     rows, num_blocks = block_tables.shape
-    ids = block_tables.reshape(-1).long().clamp(0, cache.shape[0] - 1)
+    ids = block_tables.reshape(-1).long().clamp(0, cache.shape[0] - 1) if ids is None else ids
     pages = cache.index_select(0, ids).view(rows, num_blocks * cache.shape[1], *cache.shape[2:])
     return pages.transpose(1, 2)
 
@@ -112,6 +119,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: ShortQue
     return o.reshape(rows, n, num_heads, head_dim)
 
 
+def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: ShortQueries,
+                   scale: float) -> torch.Tensor:
+    """A decode step (one query per request, q's rows in request order): `_attend` without the
+    gather of q's rows, their padding and the scatter back. The G query heads of a KV head are
+    adjacent in q, so q's view [R, KVH, G, D] is already grouped."""
+    rows, num_heads, head_dim = q.shape
+    k = _gather_pages(k_cache, decode.block_tables, decode.page_ids)  # [R, KVH, L, D]
+    v = _gather_pages(v_cache, decode.block_tables, decode.page_ids)
+    num_kv_heads = k.shape[1]
+    grouped = q.view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
+    mask = decode.mask.unsqueeze(1)  # [R, 1, 1, L]: the same for the G heads
+    o = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(rows, num_heads, head_dim).to(q.dtype)
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -127,12 +149,14 @@ def paged_attention_ref(
     """Torch reference (any device). Requests with a few queries (decodes, speculative
     verification) run as one padded SDPA call; each longer one (a prefill chunk) runs its own."""
     if plan is None:
-        plan = plan_reference(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
+        plan = plan_reference(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1], k_cache.shape[0])
     out = torch.empty_like(q)
     short = plan.short
+    if short is not None and short.decode and not plan.long:
+        return _attend_decode(q, k_cache, v_cache, short, scale)
     if short is not None:
-        k = _gather_pages(k_cache, short.block_tables)  # [R, KVH, L, D]
-        v = _gather_pages(v_cache, short.block_tables)
+        k = _gather_pages(k_cache, short.block_tables, short.page_ids)  # [R, KVH, L, D]
+        v = _gather_pages(v_cache, short.block_tables, short.page_ids)
         o = _attend(q[short.token_rows], k, v, short, scale)  # [R, n_max, H, D]
         if short.valid is None:
             out.index_copy_(0, short.token_rows.flatten(), o.flatten(0, 1).to(q.dtype))

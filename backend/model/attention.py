@@ -54,7 +54,8 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.reference_plan is None:  # first layer of the step; the others reuse it
-            meta.reference_plan = plan_reference(meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, k_cache.shape[1])
+            meta.reference_plan = plan_reference(meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                                 k_cache.shape[1], k_cache.shape[0])
         return paged_attention_ref(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
             meta.max_seqlen_q, meta.max_seqlen_k, meta.reference_plan,
