@@ -253,9 +253,7 @@ class LLMEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValidationError; compiles a constraint (in the caller's thread, cached for
         add_request)."""
-        self.limits.validate(prompt_ids, params)
-        if params.guided_decoding is not None:
-            self.grammars.compile(params.guided_decoding)
+        self.limits.validate(prompt_ids, params, self.grammars)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         self.validate(prompt_ids, params)

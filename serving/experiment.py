@@ -20,12 +20,10 @@ own hash. A request without the key draws at random (not sticky).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 KEY_SOURCES = ("user", "header:", "parameter:")
@@ -81,13 +79,6 @@ class Experiment:
             return cls(str(values["name"]), arms, values.get("sticky_key", "user"), values.get("holdout", 0.0))
         except (KeyError, TypeError, AttributeError) as e:
             raise ExperimentError(f"not an experiment: {e}") from None
-
-    @classmethod
-    def load(cls, path: str | Path) -> Experiment:
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ExperimentError(f"{path}: {e}") from None
 
     @property
     def control(self) -> Arm:

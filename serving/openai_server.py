@@ -30,7 +30,6 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,7 +49,7 @@ from client.stream import (
 )
 from serving.ab_recorder import METRICS, ExperimentRecorder, RequestRecord
 from serving.experiment import Assignment, Experiment, ExperimentError
-from serving.rollout import Rollout, RolloutPlan
+from serving.rollout import Rollout, RolloutPlan, load_experiment
 from serving.launcher import ADMIN_HEADER  # the operator's admin key, as tritonserver's restricted APIs take it
 from serving.launcher import ADMIN_KEY_VARIABLE as ADMIN_KEY_ENV
 from serving.openai_guard import (
@@ -542,12 +541,8 @@ def main() -> None:
     args = p.parse_args()
     try:
         guard = GuardConfig(args.api_key, args.max_body_bytes, args.max_concurrent_requests)
-        experiment = rollout = None
-        if args.experiment:
-            values = json.loads(Path(args.experiment).read_text())
-            experiment = Experiment.from_dict(values)
-            rollout = RolloutPlan.from_dict(values["rollout"], experiment) if "rollout" in values else None
-    except (ValueError, OSError) as e:
+        experiment, rollout = load_experiment(args.experiment) if args.experiment else (None, None)
+    except ValueError as e:
         p.error(str(e))
     if guard.api_key is None:
         logging.warning("no API key (--api-key or $%s): anyone who reaches port %d can use it", API_KEY_ENV, args.port)

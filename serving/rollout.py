@@ -14,8 +14,10 @@ The experiment file's "rollout": {"arm": "speculative", "steps": [1, 10, 50, 100
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -44,6 +46,18 @@ class RolloutPlan:
         if not plan.steps or any(not 0 < s <= 100 for s in plan.steps) or list(plan.steps) != sorted(plan.steps):
             raise ExperimentError("rollout: steps must be rising percents in (0, 100]")
         return plan
+
+
+def load_experiment(path: str | Path) -> tuple[Experiment, RolloutPlan | None]:
+    """An experiment file: the experiment, and its rollout plan when it has a "rollout" key."""
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExperimentError(f"{path}: {e}") from None
+    if not isinstance(values, dict):
+        raise ExperimentError(f"{path}: not an experiment (a JSON object)")
+    experiment = Experiment.from_dict(values)
+    return experiment, RolloutPlan.from_dict(values["rollout"], experiment) if "rollout" in values else None
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from backend.core.block_manager import blocks_needed
+from backend.core.grammar_compiler import GrammarCompiler
 from backend.errors import ValidationError
 from backend.sampling_params import SamplingParams
 
@@ -20,7 +21,9 @@ class RequestLimits:
     num_blocks: int
     eos_token_ids: tuple[int, ...] = ()  # a constraint's stop tokens (guided decoding)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, grammars: GrammarCompiler | None = None) -> None:
+        """Raises ValidationError. With `grammars`, a guided-decoding constraint is compiled too (in
+        the caller's thread; cached for the engine's add_request), so a bad one is refused here."""
         if not prompt_ids:
             raise ValidationError("prompt_token_ids", "the prompt is empty")
         vocab = self.vocab_size
@@ -43,3 +46,5 @@ class RequestLimits:
             raise ValidationError(
                 "max_tokens", f"prompt + max_tokens needs {need} KV blocks; the pool has {self.num_blocks}"
             )
+        if grammars is not None and params.guided_decoding is not None:
+            grammars.compile(params.guided_decoding)

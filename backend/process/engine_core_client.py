@@ -55,9 +55,7 @@ class EngineCoreFacts:
         self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, limits.eos_token_ids)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.limits.validate(prompt_ids, params)
-        if params.guided_decoding is not None:  # a bad constraint is refused here, as in-process
-            self.grammars.compile(params.guided_decoding)
+        self.limits.validate(prompt_ids, params, self.grammars)  # a bad constraint is refused here, as in-process
 
     def stats(self) -> EngineStats:
         return self._stats

@@ -10,6 +10,7 @@ import pytest
 
 from serving.ab_verdict import SequentialTest, more_needed, verdict
 from serving.experiment import Experiment, ExperimentError
+from serving.rollout import load_experiment
 
 SPEC = {"name": "spec-on-off", "arms": [{"name": "control", "model": "llm", "weight": 90},
                                         {"name": "speculative", "model": "llm_b", "weight": 10}]}
@@ -53,12 +54,14 @@ def test_holdout_is_served_by_the_control_outside_the_experiment():
     ({"holdout": 1.0}, "holdout"),
     ({"name": "bad name"}, "name"),
     ({"arms": [{"name": "a", "model": "llm", "weight": -1}, {"name": "b", "model": "llm_b"}]}, "weights"),
+    ({"rollout": {"arm": "control"}}, "other than the control"),
+    ({"rollout": {"arm": "speculative", "steps": [50, 10]}}, "rising"),
 ])
 def test_a_bad_experiment_file_is_refused(tmp_path, change, message):
     path = tmp_path / "experiment.json"
     path.write_text(json.dumps(SPEC | change))
     with pytest.raises(ExperimentError, match=message):
-        Experiment.load(path)
+        load_experiment(path)
 
 
 def _looks(a: np.ndarray, b: np.ndarray, every: int = 50) -> SequentialTest:
@@ -169,3 +172,11 @@ def test_a_bad_rollout_plan_is_refused():
                             ({"arm": "speculative", "speed": 2}, "rollout")):
         with pytest.raises(ExperimentError, match=message):
             RolloutPlan.from_dict(values, experiment)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{not json", '"an experiment"'])
+def test_a_file_that_is_not_an_experiment_object_is_refused(tmp_path, text):
+    path = tmp_path / "experiment.json"
+    path.write_text(text)
+    with pytest.raises(ExperimentError, match="experiment.json"):
+        load_experiment(path)
