@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -82,6 +83,23 @@ def make_repository(source: Path, dest: Path, overrides: dict[str, dict[str, str
         for version in (p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
             (target / version.name).symlink_to(version.resolve(), target_is_directory=True)
     return dest
+
+
+def add_variant(repository: Path, suffix: str, parameters: dict[str, str]) -> None:
+    """`llm_<suffix>` in `repository`: `llm` over `llm_engine_<suffix>`, a copy of llm_engine with
+    some of its parameters changed (an A/B experiment's arm over another engine configuration)."""
+    llm = (repository / "llm" / "config.pbtxt").read_text()
+    engine = (repository / "llm_engine" / "config.pbtxt").read_text()
+    llm = llm.replace('name: "llm"', f'name: "llm_{suffix}"', 1).replace('"llm_engine"', f'"llm_engine_{suffix}"')
+    engine = override_parameters(engine.replace('name: "llm_engine"', f'name: "llm_engine_{suffix}"', 1), parameters)
+    for name, config in ((f"llm_{suffix}", llm), (f"llm_engine_{suffix}", engine)):
+        (repository / name / "1").mkdir(parents=True)
+        (repository / name / "config.pbtxt").write_text(config)
+    for source in (repository / "llm_engine" / "1").iterdir():
+        if source.suffix == ".py":
+            shutil.copy(source, repository / f"llm_engine_{suffix}" / "1" / source.name)
+        elif source.is_dir() and not (repository / f"llm_engine_{suffix}" / "1" / source.name).exists():
+            (repository / f"llm_engine_{suffix}" / "1" / source.name).symlink_to(source.resolve(), target_is_directory=True)
 
 
 def free_port() -> int:

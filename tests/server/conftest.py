@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from perf.sweep_serving import add_variant
 from serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_server
 from tests.conftest import free_port
 
@@ -120,23 +121,6 @@ def _repository_with_parameters(root: Path, parameters: dict[str, str], engine_c
     return repository
 
 
-def _add_variant(repository: Path, suffix: str, parameters: dict[str, str]) -> None:
-    """`llm_<suffix>`: `llm` over `llm_engine_<suffix>`, a copy of llm_engine with some of its
-    parameters changed (an experiment's arm over another engine configuration)."""
-    llm = (repository / "llm" / "config.pbtxt").read_text()
-    engine = (repository / "llm_engine" / "config.pbtxt").read_text()
-    llm = llm.replace('name: "llm"', f'name: "llm_{suffix}"', 1).replace('"llm_engine"', f'"llm_engine_{suffix}"')
-    engine = engine.replace('name: "llm_engine"', f'name: "llm_engine_{suffix}"', 1)
-    for key, value in parameters.items():
-        engine, n = re.subn(rf'(key: "{key}", value: {{ string_value: )"[^"]*"', rf'\1"{value}"', engine)
-        assert n == 1, f"no parameter {key} in llm_engine's config"
-    for name, config in ((f"llm_{suffix}", llm), (f"llm_engine_{suffix}", engine)):
-        (repository / name / "1").mkdir(parents=True)
-        (repository / name / "config.pbtxt").write_text(config)
-    for source in (repository / "llm_engine" / "1").glob("*.py"):
-        shutil.copy(source, repository / f"llm_engine_{suffix}" / "1" / source.name)
-
-
 def start_test_server(root: Path, fault_injection: str, parameters: dict[str, str] | None = None,
                       engine_config: str = "", model_dir: Path = TEST_MODEL,
                       variants: dict[str, dict[str, str]] | None = None) -> Server:
@@ -145,7 +129,7 @@ def start_test_server(root: Path, fault_injection: str, parameters: dict[str, st
     instance_group line; `variants` adds `llm_<name>` over an llm_engine with those parameters."""
     repository = _repository_with_parameters(root, parameters or {}, engine_config, model_dir)
     for suffix, changed in (variants or {}).items():
-        _add_variant(repository, suffix, changed)
+        add_variant(repository, suffix, changed)
     handle = start_server(
         repository,
         http_port=free_port(),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,3 +182,33 @@ def test_a_file_that_is_not_an_experiment_object_is_refused(tmp_path, text):
     path.write_text(text)
     with pytest.raises(ExperimentError, match="experiment.json"):
         load_experiment(path)
+
+
+RECORDED = Path(__file__).parent / "data" / "ab_recorded_samples.json"
+
+
+def test_a_a_on_recorded_latencies_stays_within_the_nominal_rate():
+    """20 A/A experiments per metric on latencies recorded by the gateway in a real experiment
+    (perf/ab_experiment.py, its control arm): each draws two arms of 600 requests from the same
+    recorded requests, looks every 20 requests, and is a false positive if the always-valid
+    p-value ever falls under 0.05. At most the nominal 5 % may be."""
+    recorded = json.loads(RECORDED.read_text())
+    rng = np.random.default_rng(3)
+    false_positives = naive_false_positives = experiments = 0
+    for metric in ("ttft", "itl", "e2e"):
+        values = np.array(recorded[metric]["off"])
+        assert len(values) >= 100 and bool((values > 0).all())
+        for _ in range(20):
+            a, b = rng.choice(values, 600), rng.choice(values, 600)
+            false_positives += _looks(a, b, every=20).p_value < 0.05
+            naive_false_positives += any(_z_test_p(np.log(a[:n]), np.log(b[:n])) < 0.05 for n in range(20, 601, 20))
+            experiments += 1
+    assert false_positives / experiments <= 0.05, false_positives
+    # the same looks with a fixed-sample test would cry wolf far more often: the data can tell
+    assert naive_false_positives / experiments > 0.15, naive_false_positives
+
+
+def _z_test_p(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sided p-value of a fixed-sample z-test of equal means (valid for one look only)."""
+    z = (a.mean() - b.mean()) / math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
+    return math.erfc(abs(z) / math.sqrt(2))
