@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.model.model import Linear
-from backend.model.quantized_linear import Int4Linear, Int8Linear, swap_linears
+from backend.model.quantized_linear import Int4Linear, Int8Linear, RescoredHead, swap_linears
 from tests.model.test_engine_vs_hf import mixed_prompts, run_engine
 
 
@@ -40,7 +40,8 @@ def test_quantized_engine_matches_hf_with_the_same_layers(arch, mode, group_size
     kind = Int8Linear if mode == "int8" else Int4Linear
     layers = [m for m in engine.model.model.modules() if isinstance(m, Linear)]
     assert layers and all(isinstance(m.quantized, kind) and m.weight is None for m in layers)
-    assert isinstance(engine.model.lm_head.quantized, Int8Linear)  # in both modes
+    head = engine.model.lm_head.quantized  # quantized like the layers, its best candidates rescored
+    assert isinstance(head, RescoredHead) and isinstance(head.quantized, kind)
     prompts, max_tokens = mixed_prompts(12, seed=3)
     got = run_engine(engine, prompts, max_tokens)
     assert got == hf_quantized_greedy(model_dir, mode, group_size, prompts, max_tokens)

@@ -9,7 +9,14 @@ from torch import nn
 from backend.config import EngineConfig
 from backend.errors import ValidationError
 from backend.model.model import Linear
-from backend.model.quantized_linear import Int4Linear, Int8Linear, quantize_linears, swap_linears
+from backend.model.quantized_linear import (
+    HEAD_CANDIDATES,
+    Int4Linear,
+    Int8Linear,
+    RescoredHead,
+    quantize_linears,
+    swap_linears,
+)
 from backend.model.tensor_parallel import RowParallelLinear
 
 
@@ -66,10 +73,27 @@ def test_int8_rows_are_within_half_their_step_and_no_worse_than_max_scaling():
     torch.testing.assert_close(layer(x), x.bfloat16().float() @ layer.dequantized_weight().t(), atol=0.1, rtol=0.02)
 
 
-def test_the_lm_head_is_int8_in_both_modes():
-    model = nn.ModuleDict({"proj": nn.Linear(64, 32), "lm_head": nn.Linear(64, 48, bias=False)})
-    swap_linears(model, "int4", 32)
-    assert isinstance(model["proj"], Int4Linear) and isinstance(model["lm_head"], Int8Linear)
+@pytest.mark.parametrize("mode, kind", [("int4", Int4Linear), ("int8", Int8Linear)])
+def test_the_lm_head_rescores_its_best_candidates_exactly(mode, kind):
+    """An lm_head quantized like the layers: its logits pick the candidates, the float weight
+    scores them, so the argmax is float's even where the quantized logits alone get it wrong."""
+    torch.manual_seed(0)
+    weight = torch.randn(512, 64) * 0.05
+    model = nn.ModuleDict({"proj": nn.Linear(64, 32), "lm_head": nn.Linear(64, 512, bias=False)})
+    model["lm_head"].weight.data = weight.clone()
+    swap_linears(model, mode, 32)
+    head = model["lm_head"]
+    assert isinstance(head, RescoredHead) and isinstance(head.quantized, kind) and isinstance(model["proj"], kind)
+    x = torch.randn(200, 64) * 4
+    exact, quantized, rescored = x @ weight.t(), head.quantized(x), head(x)
+    top = quantized.topk(HEAD_CANDIDATES, dim=-1).indices  # the candidates
+    torch.testing.assert_close(rescored.gather(-1, top), exact.gather(-1, top), atol=1e-4, rtol=1e-5)
+    others = torch.ones_like(rescored, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(rescored[others], quantized[others])
+    assert torch.equal(rescored.argmax(-1), exact.argmax(-1))
+    if mode == "int4":
+        assert not torch.equal(quantized.argmax(-1), exact.argmax(-1))  # what rescoring fixes
+    assert head(x.view(10, 20, 64)).shape == (10, 20, 512)
 
 
 def test_every_linear_multiplies_through_its_quantized_layer_and_keeps_its_forward():
