@@ -37,6 +37,7 @@ import hmac
 import os
 import secrets
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +176,15 @@ def join(init_method: str, rank: int, world_size: int, secret: bytes, config: En
     GLOO_SOCKET_IFNAME)."""
     store = next(dist.rendezvous(init_method, rank, world_size, timeout=JOIN_TIMEOUT))[0]
     store.set_timeout(JOIN_TIMEOUT)
-    prove_secret(dist.PrefixStore("specserve", store), secret, rank, world_size)
+    try:
+        prove_secret(dist.PrefixStore("specserve", store), secret, rank, world_size)
+    except BaseException as e:
+        # Rank 0's store is a server (across nodes, listening on every interface) that lives as long as
+        # a reference does: the failed frames' locals are dropped now, not at the next garbage
+        # collection, so a refused join leaves no port open
+        traceback.clear_frames(e.__traceback__)
+        del store
+        raise
     with _gloo_interface(interface):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=JOIN_TIMEOUT)
         try:

@@ -73,6 +73,11 @@ def test_an_impostor_as_the_missing_rank_is_refused_and_nothing_it_sends_runs(at
             joining.wait()
     assert not marker.exists()
     assert not dist.is_initialized()  # rank 0 left nothing behind: the next engine can join
+    assert port not in {address.port for address in _listening(psutil.Process())}  # nor its rendezvous open
+
+
+def _listening(process: psutil.Process) -> list:
+    return [c.laddr for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
 
 
 def _an_outside_interface() -> str | None:
@@ -88,14 +93,16 @@ def test_one_node_ranks_meet_in_a_private_directory_and_listen_on_loopback(tiny_
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2))
     group = engine.workers
     directory = group.directory
-    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
-    assert str(os.getpid()) not in os.path.basename(directory)
-    worker = psutil.Process(group.workers[0].pid)
-    secret = worker.environ()[RANK_SECRET_VARIABLE]  # fresh for this engine, in the environment
-    assert len(bytes.fromhex(secret)) == 32 and secret not in " ".join(worker.cmdline())
-    for rank in (psutil.Process(), worker):
-        listening = {c.laddr.ip for c in rank.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-        assert listening and listening <= {"127.0.0.1", "::1"}
-    group.close()
+    try:
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert str(os.getpid()) not in os.path.basename(directory)
+        worker = psutil.Process(group.workers[0].pid)
+        secret = worker.environ()[RANK_SECRET_VARIABLE]  # fresh for this engine, in the environment
+        assert len(bytes.fromhex(secret)) == 32 and secret not in " ".join(worker.cmdline())
+        for rank in (psutil.Process(), worker):
+            listening = {address.ip for address in _listening(rank)}
+            assert listening and listening <= {"127.0.0.1", "::1"}
+    finally:
+        group.close()  # the ranks' process group goes too, whatever failed: the next engine can join
     assert not os.path.exists(directory)
     assert os.environ.get("GLOO_SOCKET_IFNAME") == outside  # set back for whatever this process does next
