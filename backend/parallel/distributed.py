@@ -56,6 +56,8 @@ PROOF_TIMEOUT = JOIN_TIMEOUT  # for every rank's proof, once rank 0 has posted t
 RANK_SECRET_VARIABLE = "SPECSERVE_RANK_SECRET"  # hex; the same on every node
 MIN_SECRET_BYTES = 16
 NONCE_BYTES = 32
+# how long a refusing rank 0 keeps its rendezvous open for the other ranks to read the verdict
+VERDICT_READ_TIMEOUT = datetime.timedelta(seconds=5)
 MAX_MESSAGE_BYTES = 64 * 2**20
 
 
@@ -215,11 +217,14 @@ def prove_secret(store: dist.Store, secret: bytes, rank: int, world_size: int) -
     rank 0 posts a fresh nonce at the rendezvous, every other rank answers
     HMAC-SHA256(secret, nonce || rank), and rank 0 compares each answer with its own in constant
     time, then posts the verdict. A rank that answered wrong, or not within PROOF_TIMEOUT, fails
-    the join on every rank (RankRefusedError, naming it). Rank 0 only compares what it is sent."""
+    the join on every rank (RankRefusedError, naming it). Rank 0 only compares what it is sent; a
+    refusing rank 0 waits (up to VERDICT_READ_TIMEOUT) for the others to say they read the verdict,
+    since its rendezvous closes when it fails."""
     if rank > 0:
         store.set(f"proof/{rank}", _proof(secret, store.get("nonce"), rank))
         verdict = store.get("verdict").decode(errors="replace")
         if verdict != "ok":
+            store.set(f"read/{rank}", b"")
             raise RankRefusedError(f"rank 0 refused the join: {verdict}")
         return
     nonce = secrets.token_bytes(NONCE_BYTES)
@@ -233,6 +238,10 @@ def prove_secret(store: dist.Store, secret: bytes, rank: int, world_size: int) -
         f"ranks {', '.join(map(str, refused))} did not prove they hold"
     verdict = f"{who} the ranks' shared secret ({RANK_SECRET_VARIABLE})"
     store.set("verdict", verdict)
+    try:
+        store.wait([f"read/{r}" for r in range(1, world_size)], VERDICT_READ_TIMEOUT)
+    except RuntimeError:  # a rank that never answered, or one that does not follow the protocol
+        pass
     raise RankRefusedError(verdict)
 
 
