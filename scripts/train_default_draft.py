@@ -34,17 +34,18 @@ Stages (``--stage``, a comma list):
            saves to `--out`: config.json, model.safetensors (bfloat16, no model.embed_tokens),
            draft_vocab.safetensors, the target's tokenizer files and train_result.json
 
-    # the data in .cache/default_draft, on 1 core shared with other jobs: the float32 engine generates
-    # 30-50 tok/s, the logits stage ~75-95 positions/s
-    nice -n 19 python scripts/train_default_draft.py --stage data --threads 1 --num-chat 272 \
-        --num-code-windows 120                       # held-out and 272 chat answers: ~15 min
-    nice -n 19 python scripts/magpie_prompts.py --num-samples 3000 --chunk 384 --minutes 10 --threads 1
-    nice -n 19 python scripts/train_default_draft.py --stage data --threads 1 --num-chat 272 \
-        --num-code-windows 120 --num-magpie 309 --magpie-chunk 155 --data-minutes 14   # Magpie answers
-    nice -n 19 python scripts/train_default_draft.py --stage logits --threads 1     # ~106k positions: ~23 min
-    nice -n 19 python scripts/train_default_draft.py --stage train --layers 0,1 --draft-vocab 8192 \
+    # the data of the shipped EAGLE head (scripts/train_eagle_draft.py), on 2 cores: ~40 minutes
+    python scripts/magpie_prompts.py --num-samples 4096 --chunk 1024 --max-num-seqs 256 --dtype bfloat16 \
+        --threads 2                                  # 3,180 prompts kept
+    python scripts/train_default_draft.py --stage data --teacher-dtype float32 --threads 2 --num-chat 680 \
+        --num-code-windows 600                       # held-out and 670 chat answers: ~7 min
+    python scripts/train_default_draft.py --stage data --teacher-dtype bfloat16 --threads 2 --num-chat 680 \
+        --num-code-windows 600 --num-magpie 3180 --magpie-chunk 800 --magpie-answer-tokens 160   # ~18 min
+    python scripts/train_default_draft.py --stage logits --teacher-dtype bfloat16 --threads 2  # 906k positions: ~8 min
+    # a standalone draft on the same data
+    python scripts/train_default_draft.py --stage train --layers 0,1 --draft-vocab 8192 \
         --batch-size 8 --lr 1e-3 --minutes 38 --eval-every 250 --out .cache/default_draft/best
-    nice -n 19 python scripts/draft_bench.py --threads 2     # batch-1 draft / target forward time
+    python scripts/draft_bench.py --threads 2     # batch-1 draft / target forward time
 """
 
 from __future__ import annotations

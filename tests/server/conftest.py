@@ -101,14 +101,18 @@ def _repository_with_parameters(root: Path, parameters: dict[str, str], engine_c
                                 model_dir: Path = TEST_MODEL, draft_dir: Path = TEST_DRAFT) -> Path:
     """A copy of the default model repository serving `model_dir` (and `draft_dir` where a config
     names the draft) by absolute path, with some of llm_engine's parameters set; `engine_config`
-    replaces llm_engine's instance_group line (instance groups, a queue policy)."""
+    replaces llm_engine's instance_group line (instance groups, a queue policy). Another model than
+    the default is served without speculation unless `parameters` ask for it."""
     repository = root / "model_repository"
+    if model_dir != DEFAULT_MODEL:  # the default config's EAGLE head is the default model's
+        parameters = {"speculative_method": "none", "draft_model": "", **parameters}
     for model in ("preprocessing", "llm_engine", "llm", "llm_bls", "trtllm_preprocessing", "ensemble"):
         (repository / model / "1").mkdir(parents=True)
         config = (DEFAULT_MODEL_REPOSITORY / model / "config.pbtxt").read_text()
         config = config.replace('"llm_engine/1/target"', f'"{model_dir}"')  # preprocessing
         config = config.replace('"1/target"', f'"{model_dir}"')  # llm_engine
         config = config.replace('"1/draft"', f'"{draft_dir}"')
+        config = config.replace('"1/eagle"', f'"{DEFAULT_MODEL_REPOSITORY / "llm_engine" / "1" / "eagle"}"')
         for key, value in parameters.items():
             config, n = re.subn(rf'(key: "{key}", value: {{ string_value: )"[^"]*"', rf'\1"{value}"', config)
             assert model != "llm_engine" or n == 1, f"no parameter {key} in llm_engine's config"
