@@ -220,13 +220,8 @@ def test_speculation_with_a_draft_of_its_own_layers_stays_greedy_identical(smol,
             assert engine.draft_model.vocab_token_ids.tolist() == token_ids.tolist()
             assert engine.draft_model.model.embed_tokens.weight.data_ptr() == \
                 engine.model.model.embed_tokens.weight.data_ptr()
-        ids = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-               for p in prompts]
-        tokens: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.token_ids)
-        outputs.append([tokens[i] for i in ids])
+        outputs.append(_generate(engine, prompts, lambda i: SamplingParams(max_tokens=24, temperature=0.0,
+                                                                            ignore_eos=True)))
     assert outputs[0] == outputs[1]
     assert all(len(t) == 24 for t in outputs[0])
 
@@ -281,8 +276,8 @@ def test_the_shipped_eagle_head_fits_the_target_and_keeps_greedy_output(smol, sm
 @needs_default_model
 def test_sampling_with_the_shipped_eagle_head_follows_the_target(smol, smol_tokenizer):
     """600 seeded requests of 3 tokens at T = 1 after one chat prompt, with the shipped head drafting
-    the 2nd (k = 1: a request never verifies past max_tokens): drafts were both accepted and rejected, and the 2nd token passes a chi-square test
-    against the float32 target's exact marginal (HF, summed over every first token of probability
+    the 2nd (k = 1: a request never verifies past max_tokens): drafts were both accepted and
+    rejected, and the 2nd token passes a chi-square test against the float32 target's exact marginal (HF, summed over every first token of probability
     1e-5 or more: 0.994 of the mass here, the rest far below what 600 samples resolve)."""
     from scipy.stats import chisquare
 
