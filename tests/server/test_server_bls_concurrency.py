@@ -9,7 +9,6 @@ engine finished any request?
 """
 from __future__ import annotations
 
-import re
 import threading
 import time
 
@@ -17,19 +16,27 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from serving.launcher import DEFAULT_MODEL_REPOSITORY
 from client.stream import generate
+from tests.server.conftest import start_test_server
 
 pytestmark = pytest.mark.server
 
 PYTHON_BACKEND_THREAD_POOL_SIZE = 32  # the python backend's default thread-pool-size
+# the engine here runs this many requests at once, so that a few more streams than it runs plus
+# the pool are queued in the engine
+MAX_NUM_SEQS = 16
+STREAMS = MAX_NUM_SEQS + PYTHON_BACKEND_THREAD_POOL_SIZE + 8
 MAX_TOKENS = 64
 LENGTH = 'specserve_request_success_total{finish_reason="length"}'
 
 
-def _max_num_seqs() -> int:
-    config = (DEFAULT_MODEL_REPOSITORY / "llm_engine" / "config.pbtxt").read_text()
-    return int(re.search(r'key: "max_num_seqs", value: \{ string_value: "(\d+)" \}', config)[1])
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server of its own: these tests flood llm_bls, and a failure here must not reach the
+    tests that share the session's server."""
+    server = start_test_server(tmp_path_factory.mktemp("bls"), "", {"max_num_seqs": str(MAX_NUM_SEQS)})
+    yield server
+    server.handle.stop()
 
 
 def _idle(samples: dict[str, float]) -> bool:
@@ -111,17 +118,16 @@ def _first_engine_request_done(server, stop: threading.Event) -> list[float]:
 
 
 def test_streams_past_the_thread_pool_are_relayed_as_they_go(server):
-    max_num_seqs = _max_num_seqs()
     server.wait_for_metrics(_idle)
     stop = threading.Event()
     engine_done = _first_engine_request_done(server, stop)
-    streams = _open_streams(server, max_num_seqs + PYTHON_BACKEND_THREAD_POOL_SIZE + 8)
+    streams = _open_streams(server, STREAMS)
     deadline = time.monotonic() + 300
     try:
         for stream in streams:
             assert stream.done.wait(max(0.0, deadline - time.monotonic())), (
                 f"{sum(not s.done.is_set() for s in streams)} of {len(streams)} streams had no "
-                "final response after 300 s"
+                f"final response after 300 s; the server's log ends:\n{server.handle.log_tail()}"
             )
     finally:
         stop.set()
@@ -130,9 +136,9 @@ def test_streams_past_the_thread_pool_are_relayed_as_they_go(server):
     assert [s.error for s in streams if s.error is not None] == []
     assert engine_done, "the engine finished no request (or its metric did not say so)"
     relayed_early = sum(s.first < engine_done[0] for s in streams)
-    # The engine runs max_num_seqs requests at once, each relayed from its first step on (all 64
-    # were here). Unbounded, only those relayed before the pool filled up were (20 to 24 of 104).
-    assert relayed_early >= max_num_seqs * 3 // 4, (
+    # The engine runs MAX_NUM_SEQS requests at once, each relayed from its first step on (all of
+    # them were here). Unbounded, only those relayed before the pool filled up were.
+    assert relayed_early >= MAX_NUM_SEQS * 3 // 4, (
         f"{relayed_early} of {len(streams)} streams had a response before the engine finished "
         "its first request"
     )
@@ -141,15 +147,14 @@ def test_streams_past_the_thread_pool_are_relayed_as_they_go(server):
 def test_cancelling_streams_that_wait_for_their_turn_ends_them(server):
     """Streams cancelled while llm_bls holds them back (not yet sent to the engine) end, and
     the engine is left idle."""
-    max_num_seqs = _max_num_seqs()
     server.wait_for_metrics(_idle)
-    streams = _open_streams(server, max_num_seqs + PYTHON_BACKEND_THREAD_POOL_SIZE + 8)
+    streams = _open_streams(server, STREAMS)
     deadline = time.monotonic() + 120
     while not any(s.first for s in streams) and time.monotonic() < deadline:
         time.sleep(0.05)
     for stream in streams:
         stream.close(cancel=True)
-    assert _idle(server.wait_for_metrics(_idle, timeout=60))
+    assert _idle(server.wait_for_metrics(_idle, timeout=60)), server.handle.log_tail()
     # every place in llm_bls's queue was given back: a new request goes through
     chunks = generate(
         server.grpc_url, "def main():", model="llm_bls", max_tokens=4, temperature=0,
