@@ -107,6 +107,10 @@ def main() -> None:
     ap.add_argument("--target", type=Path, default=TINY_PAIR / "target", help="target checkpoint (default: %(default)s)")
     ap.add_argument("--draft", type=Path, default=TINY_PAIR / "draft", help="draft checkpoint (default: %(default)s)")
     ap.add_argument("--eagle", type=Path, help="an EAGLE head for the target (the eagle methods)")
+    ap.add_argument("--kv-cache-mib", type=int, default=512,
+                    help="each engine's KV pool, draft included (default: what llm_engine's config.pbtxt serves). "
+                    "A head's or draft's KV takes a share of it, so a pool too small for the batch preempts "
+                    "(re-prefills) more often with speculation than without: the preempted column says so")
     ap.add_argument("--prompts", choices=("code", "chat"), default="code",
                     help="held-out code continuations (64-192 tokens), or the held-out chat requests in the chat template")
     ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ("none, 2nd engine", "eagle k=2",
@@ -122,7 +126,8 @@ def main() -> None:
         draft = args.eagle if METHODS[name]["speculative_method"] == "eagle" else args.draft
         engines[name] = LLMEngine(EngineConfig(
             model=str(args.target), draft_model=str(draft), num_threads=args.threads,
-            max_num_seqs=max(args.batch_sizes), dtype=args.dtype, draft_dtype=args.draft_dtype, **METHODS[name]))
+            max_num_seqs=max(args.batch_sizes), dtype=args.dtype, draft_dtype=args.draft_dtype,
+            kv_cache_memory_bytes=args.kv_cache_mib * 2**20, **METHODS[name]))
     rows = []
     cases = [(b, t) for b in args.batch_sizes for t in args.temperatures]
     bar = tqdm(total=len(cases) * len(args.methods) * args.repeats, desc="runs")
@@ -134,8 +139,8 @@ def main() -> None:
             run(engine, prompts[:2], 8, temperature, 2)  # warm-up
         rates = {name: [] for name in args.methods}
         ratios = {name: [] for name in args.methods}
-        # draft tokens, accepted, verification steps, steps that accepted all k, tokens generated
-        spec = {name: [0, 0, 0, 0, 0] for name in args.methods}
+        # draft tokens, accepted, verification steps, steps that accepted all k, tokens generated, preemptions
+        spec = {name: [0, 0, 0, 0, 0, 0] for name in args.methods}
         for round_index in range(args.repeats):
             # each round starts one method later: every method runs early and late in a round as
             # often, so load drifting within a round favours none of them
@@ -154,13 +159,14 @@ def main() -> None:
                 spec[name][2] += steps1 - steps0
                 spec[name][3] += full1 - full0
                 spec[name][4] += tokens
+                spec[name][5] += s1.num_preemptions_total - s0.num_preemptions_total
                 rates[name].append(tokens / seconds)
                 bar.update()
             for name in args.methods:
                 ratios[name].append(rates[name][-1] / rates[args.methods[0]][-1])
         for name in args.methods:
             engine = engines[name]
-            draft, accepted, steps, all_accepted, generated = spec[name]
+            draft, accepted, steps, all_accepted, generated, preempted = spec[name]
             # request-steps that verified drafts, of all request-steps (each plain one yields a token)
             share = steps / (generated - accepted) if generated > accepted else float("nan")
             a = accepted / draft if draft else float("nan")
@@ -169,22 +175,23 @@ def main() -> None:
             a_geo = geometric_acceptance(accepted, steps, all_accepted)
             predicted = speedup(a_geo, k, c) if k and draft and c == c else float("nan")
             rows.append((batch_size, temperature, name, statistics.median(rates[name]), statistics.median(ratios[name]),
-                         min(ratios[name]), max(ratios[name]), share, a, accepted / steps + 1 if steps else 1.0, predicted, c))
+                         min(ratios[name]), max(ratios[name]), share, a, accepted / steps + 1 if steps else 1.0, predicted, c,
+                         preempted / args.repeats))
     bar.close()
     where = "the held-out chat requests" if args.prompts == "chat" else "prompts 64-192 tokens of held-out code"
     print(f"\n{args.target.name}, {args.max_tokens} new tokens per request, {where}, "
-          f"target {args.dtype}, draft {args.draft_dtype}, {args.threads} torch thread(s), median of {args.repeats} "
-          f"interleaved rounds (vs first method in the same round)\n")
+          f"target {args.dtype}, draft {args.draft_dtype}, {args.threads} torch thread(s), KV pool {args.kv_cache_mib} MiB, "
+          f"median of {args.repeats} interleaved rounds (vs first method in the same round)\n")
     print("acceptance: accepted / drafted tokens. S(k) predicted (fixed k): the formula with the per-token rate it\n"
           "assumes (accepted / (accepted + rejections)) and c = a further draft forward / a target forward.\n")
-    print("speculating: share of request-steps that verified draft tokens.\n")
+    print("speculating: share of request-steps that verified draft tokens. preempted: preemptions per timed run.\n")
     print("| batch | T | method | tok/s | vs none | range | speculating | acceptance | tokens/verify step | "
-          "S(k) predicted | c |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for b, t, name, rate, ratio, lo, hi, share, a, mean_len, pred, c in rows:
+          "S(k) predicted | c | preempted |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for b, t, name, rate, ratio, lo, hi, share, a, mean_len, pred, c, preempted in rows:
         fmt = lambda x, f: "-" if x != x else format(x, f)  # noqa: E731
         print(f"| {b} | {t} | {name} | {rate:.1f} | {ratio:.2f}x | {lo:.2f}-{hi:.2f} | {share:.0%} | {fmt(a, '.2f')} | "
-              f"{mean_len:.2f} | {fmt(pred, '.2f')} | {fmt(c, '.2f')} |")
+              f"{mean_len:.2f} | {fmt(pred, '.2f')} | {fmt(c, '.2f')} | {preempted:.1f} |")
 
 
 if __name__ == "__main__":
