@@ -8,8 +8,8 @@ every concurrency, with the same prompts for every variant.
 
     engine       the `llm` ensemble, speculative_method none
     engine-process  the same, the engine core in a process of its own (engine_process true)
-    engine+spec  the `llm` ensemble, prompt-lookup (n-gram) speculation, adaptive k (at most 4): the
-                 default model has no draft of its own yet
+    engine+spec  the `llm` ensemble as `make serve` serves it: the default model's EAGLE head,
+                 adaptive k (at most 4)
     hf-baseline  perf/baseline_repository: HF `generate` per dynamic batch, one response per request
 
 Printed at the end, and written with every point to JSON (plots beside it): per variant, the
@@ -48,9 +48,7 @@ VARIANTS = {  # name -> (source repository, model to benchmark, {model: {paramet
     "engine": (DEFAULT_MODEL_REPOSITORY, "llm", {"llm_engine": {"speculative_method": "none"}}),
     "engine-process": (DEFAULT_MODEL_REPOSITORY, "llm", {"llm_engine": {
         "speculative_method": "none", "engine_process": "true"}}),
-    "engine+spec": (DEFAULT_MODEL_REPOSITORY, "llm", {"llm_engine": {
-        "speculative_method": "ngram", "num_speculative_tokens": "4",
-        "adaptive_speculation": "true"}}),
+    "engine+spec": (DEFAULT_MODEL_REPOSITORY, "llm", {}),  # the config's own speculation
     BASELINE: (BASELINE_REPOSITORY, "hf_generate", {}),
 }
 THREADS_PARAMETER = {"llm_engine": "num_threads", "hf_generate": "num_threads"}  # model -> key
