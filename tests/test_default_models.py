@@ -235,13 +235,18 @@ def _shipped_draft() -> tuple[str, Path]:
     return value("speculative_method"), DEFAULT_OUT.parent / value("draft_model").removeprefix("1/")
 
 
-def _generate(engine, prompts: list[list[int]], params) -> list[list[int]]:
+def _generate_by_id(engine, prompts: list[list[int]], params) -> list[tuple[str, list[int]]]:
+    """(request id, generated tokens) per prompt, in order."""
     ids = [engine.add_request(p, params(i)) for i, p in enumerate(prompts)]
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
-    return [tokens[i] for i in ids]
+    return [(i, tokens[i]) for i in ids]
+
+
+def _generate(engine, prompts: list[list[int]], params) -> list[list[int]]:
+    return [tokens for _, tokens in _generate_by_id(engine, prompts, params)]
 
 
 @needs_default_model
@@ -271,6 +276,46 @@ def test_the_shipped_eagle_head_fits_the_target_and_keeps_greedy_output(smol, sm
     assert _generate(engine, prompts, greedy) == plain
     stats = engine.stats()
     assert stats.spec_accepted_tokens_total > 0.25 * stats.spec_draft_tokens_total > 0
+
+
+@needs_default_model
+def test_the_served_head_drafts_what_its_training_script_evaluates(smol, smol_tokenizer, monkeypatch):
+    """The engine's EAGLE drafts (the first from the target's feature pool, the second chained from
+    the head's own f^) equal those of scripts/train_eagle_draft.head_chain, the evaluation behind
+    the head's offline acceptance, at every position the engine drafted from, over the engine's own
+    greedy text (both read the float32 target's final hidden states)."""
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+    from backend.sampling_params import SamplingParams
+    from scripts.train_eagle_draft import head_chain, load_head, target_item
+
+    _, head_dir = _shipped_draft()
+    engine = LLMEngine(EngineConfig(model=str(DEFAULT_OUT), num_threads=os.cpu_count() or 1, speculative_method="eagle",
+                                    draft_model=str(head_dir), num_speculative_tokens=2, adaptive_speculation=False))
+    proposer = engine.speculator.proposer
+    drafted: list[tuple[str, int, list[int]]] = []  # (request id, tokens known, its drafts)
+    propose = proposer.propose
+
+    def recording(requests, ks, *args, **kwargs):
+        proposals = propose(requests, ks, *args, **kwargs)
+        drafted.extend((r.request_id, r.num_tokens, list(p.token_ids)) for r, p in zip(requests, proposals))
+        return proposals
+
+    monkeypatch.setattr(proposer, "propose", recording)
+    prompts = [chat_ids(smol_tokenizer, m) for m in CHAT_PROMPTS[1:3]]  # a chat and a code prompt
+    generated = _generate_by_id(engine, prompts, lambda i: SamplingParams(max_tokens=32, temperature=0.0,
+                                                                          ignore_eos=True))
+    head, token_ids = load_head(head_dir)
+    checked = 0
+    for prompt, (request_id, tokens) in zip(prompts, generated):
+        with torch.inference_mode():
+            chain = head_chain(head, smol.model.embed_tokens, target_item(smol, prompt + tokens, len(prompt), None),
+                               token_ids, 2)
+        for _, known, drafts in (d for d in drafted if d[0] == request_id):
+            # with `known` tokens the engine drafts tokens known, known + 1: the chain's column known - 2
+            assert drafts == chain[:len(drafts), known - 2].tolist()
+            checked += 1
+    assert checked >= 16  # 32 tokens each, 1 to 3 per verification
 
 
 @needs_default_model
