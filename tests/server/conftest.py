@@ -81,6 +81,14 @@ class Server:
             time.sleep(0.1)
 
 
+def idle(samples: dict[str, float]) -> bool:
+    """Server.metrics() of an engine with no request running and every KV block free."""
+    return (
+        samples["specserve_num_requests_running"] == 0
+        and samples["specserve_kv_cache_free_blocks"] == samples["specserve_kv_cache_total_blocks"]
+    )
+
+
 def model_ready(server: Server, model: str) -> bool:
     try:
         with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=10) as r:

@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client.stream import generate
-from tests.server.conftest import start_test_server
+from tests.server.conftest import idle, start_test_server
 
 pytestmark = pytest.mark.server
 
@@ -37,13 +37,6 @@ def server(tmp_path_factory):
     server = start_test_server(tmp_path_factory.mktemp("bls"), "", {"max_num_seqs": str(MAX_NUM_SEQS)})
     yield server
     server.handle.stop()
-
-
-def _idle(samples: dict[str, float]) -> bool:
-    return (
-        samples["specserve_num_requests_running"] == 0
-        and samples["specserve_kv_cache_free_blocks"] == samples["specserve_kv_cache_total_blocks"]
-    )
 
 
 class Stream:
@@ -118,7 +111,7 @@ def _first_engine_request_done(server, stop: threading.Event) -> list[float]:
 
 
 def test_streams_past_the_thread_pool_are_relayed_as_they_go(server):
-    server.wait_for_metrics(_idle)
+    server.wait_for_metrics(idle)
     stop = threading.Event()
     engine_done = _first_engine_request_done(server, stop)
     streams = _open_streams(server, STREAMS)
@@ -147,14 +140,14 @@ def test_streams_past_the_thread_pool_are_relayed_as_they_go(server):
 def test_cancelling_streams_that_wait_for_their_turn_ends_them(server):
     """Streams cancelled while llm_bls holds them back (not yet sent to the engine) end, and
     the engine is left idle."""
-    server.wait_for_metrics(_idle)
+    server.wait_for_metrics(idle)
     streams = _open_streams(server, STREAMS)
     deadline = time.monotonic() + 120
     while not any(s.first for s in streams) and time.monotonic() < deadline:
         time.sleep(0.05)
     for stream in streams:
         stream.close(cancel=True)
-    assert _idle(server.wait_for_metrics(_idle, timeout=60)), server.handle.log_tail()
+    assert idle(server.wait_for_metrics(idle, timeout=60)), server.handle.log_tail()
     # every place in llm_bls's queue was given back: a new request goes through
     chunks = generate(
         server.grpc_url, "def main():", model="llm_bls", max_tokens=4, temperature=0,

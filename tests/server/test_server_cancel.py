@@ -13,19 +13,13 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client.stream import generate
+from tests.server.conftest import idle
 
 pytestmark = pytest.mark.server
 
 ABORTED = 'specserve_request_success_total{finish_reason="abort"}'
 LENGTH = 'specserve_request_success_total{finish_reason="length"}'
 ABORT_KEY = "k3y-of-the-sender-0123456789"  # what the sender attached to the request it may stop
-
-
-def _idle(samples: dict[str, float]) -> bool:
-    return (
-        samples["specserve_num_requests_running"] == 0
-        and samples["specserve_kv_cache_free_blocks"] == samples["specserve_kv_cache_total_blocks"]
-    )
 
 
 def _long_request_tokens(server, tokenizer) -> tuple[list[int], int]:
@@ -58,7 +52,7 @@ def _streaming_engine_inputs(prompt_ids: list[int], max_tokens: int) -> list:
 def test_cancelling_an_engine_stream_frees_its_blocks(server, tokenizer):
     """Straight to llm_engine (token ids in): a closed stream aborts the request at once."""
     prompt_ids, max_tokens = _long_request_tokens(server, tokenizer)
-    before = server.wait_for_metrics(_idle)
+    before = server.wait_for_metrics(idle)
     inputs = _streaming_engine_inputs(prompt_ids, max_tokens)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -73,17 +67,17 @@ def test_cancelling_an_engine_stream_frees_its_blocks(server, tokenizer):
     client.stop_stream(cancel_requests=True)
     client.close()
 
-    after = server.wait_for_metrics(lambda s: _idle(s) and s[ABORTED] > before[ABORTED])
+    after = server.wait_for_metrics(lambda s: idle(s) and s[ABORTED] > before[ABORTED])
     assert after[ABORTED] == before[ABORTED] + 1
     assert after[LENGTH] == before[LENGTH]  # it did not run to max_tokens
     assert after["specserve_generation_tokens_total"] - before["specserve_generation_tokens_total"] < max_tokens
-    assert _idle(after)
+    assert idle(after)
 
 
 def test_cancelling_many_engine_streams_aborts_every_one(server, tokenizer):
     """More requests than one cancellation poll checks: polls take turns until all are found."""
     prompt_ids, max_tokens = _long_request_tokens(server, tokenizer)
-    before = server.wait_for_metrics(_idle)
+    before = server.wait_for_metrics(idle)
     inputs = _streaming_engine_inputs(prompt_ids, max_tokens)
     num_requests = 40
     started: set[str] = set()
@@ -107,7 +101,7 @@ def test_cancelling_many_engine_streams_aborts_every_one(server, tokenizer):
     client.stop_stream(cancel_requests=True)
     client.close()
 
-    after = server.wait_for_metrics(lambda s: _idle(s) and s[ABORTED] >= before[ABORTED] + num_requests)
+    after = server.wait_for_metrics(lambda s: idle(s) and s[ABORTED] >= before[ABORTED] + num_requests)
     assert after[ABORTED] == before[ABORTED] + num_requests
     assert after[LENGTH] == before[LENGTH]
 
@@ -117,7 +111,7 @@ def test_server_serves_after_a_cancel(server):
                       temperature=0)
     next(chunks)
     chunks.close()  # cancels
-    server.wait_for_metrics(_idle)
+    server.wait_for_metrics(idle)
     result = list(generate(server.grpc_url, "Hello", max_tokens=5, ignore_eos=True, temperature=0,
                            return_num_output_tokens=True))
     assert sum(c.num_output_tokens for c in result) == 5
@@ -126,7 +120,7 @@ def test_server_serves_after_a_cancel(server):
 def test_cancelling_an_llm_bls_stream_aborts_the_engine_request(server, tokenizer):
     """Through `llm_bls` (text in): a closed stream reaches llm_engine as an abort at once."""
     _, max_tokens = _long_request_tokens(server, tokenizer)
-    before = server.wait_for_metrics(_idle)
+    before = server.wait_for_metrics(idle)
     chunks = generate(
         server.grpc_url, "Once upon a time", model="llm_bls", max_tokens=max_tokens, ignore_eos=True,
         temperature=0,
@@ -138,8 +132,8 @@ def test_cancelling_an_llm_bls_stream_aborts_the_engine_request(server, tokenize
     assert during["specserve_kv_cache_free_blocks"] < during["specserve_kv_cache_total_blocks"]
     chunks.close()
 
-    after = server.wait_for_metrics(lambda s: _idle(s) and s[ABORTED] > before[ABORTED], timeout=5)
-    assert _idle(after)
+    after = server.wait_for_metrics(lambda s: idle(s) and s[ABORTED] > before[ABORTED], timeout=5)
+    assert idle(after)
     assert after[ABORTED] == before[ABORTED] + 1
     assert after[LENGTH] == before[LENGTH]
     assert after["specserve_generation_tokens_total"] - before["specserve_generation_tokens_total"] < max_tokens
@@ -149,7 +143,7 @@ def test_abort_request_id_aborts_the_engine_request_sent_with_that_id(server, to
     """llm_engine's control input: the named request ends at once, the control request with one
     empty final response."""
     prompt_ids, max_tokens = _long_request_tokens(server, tokenizer)
-    before = server.wait_for_metrics(_idle)
+    before = server.wait_for_metrics(idle)
     params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     options = {"stream": True, "return_finish_reason": True}
     inputs = [
@@ -186,9 +180,9 @@ def test_abort_request_id_aborts_the_engine_request_sent_with_that_id(server, to
     client.stop_stream()
     client.close()
     assert result.as_numpy("finish_reason").tolist() == [b"abort"]
-    after = server.wait_for_metrics(lambda s: _idle(s) and s[ABORTED] > before[ABORTED], timeout=5)
+    after = server.wait_for_metrics(lambda s: idle(s) and s[ABORTED] > before[ABORTED], timeout=5)
     assert after[ABORTED] == before[ABORTED] + 1
-    assert _idle(after)
+    assert idle(after)
 
 
 def test_a_cancelled_llm_stream_without_a_stop_request_runs_to_the_end(server, tokenizer):
@@ -196,7 +190,7 @@ def test_a_cancelled_llm_stream_without_a_stop_request_runs_to_the_end(server, t
     ensemble is checked only between its steps, and nothing tells llm_engine (its response sender
     reports no cancellation), so the request runs to max_tokens. A stop request ends it (below)."""
     max_tokens = 48
-    before = server.wait_for_metrics(_idle)
+    before = server.wait_for_metrics(idle)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -208,7 +202,7 @@ def test_a_cancelled_llm_stream_without_a_stop_request_runs_to_the_end(server, t
     client.stop_stream(cancel_requests=True)
     client.close()
     after = server.wait_for_metrics(
-        lambda s: _idle(s) and s[ABORTED] + s[LENGTH] > before[ABORTED] + before[LENGTH], 120
+        lambda s: idle(s) and s[ABORTED] + s[LENGTH] > before[ABORTED] + before[LENGTH], 120
     )
     assert after[LENGTH] == before[LENGTH] + 1
     assert after[ABORTED] == before[ABORTED]
@@ -219,14 +213,14 @@ def _long_llm_request(server) -> dict:
 
 
 def _stopped_within_a_second(server, before: dict[str, float]) -> None:
-    after = server.wait_for_metrics(lambda s: _idle(s) and s[ABORTED] > before[ABORTED], timeout=1.0)
-    assert _idle(after), after
+    after = server.wait_for_metrics(lambda s: idle(s) and s[ABORTED] > before[ABORTED], timeout=1.0)
+    assert idle(after), after
     assert after[ABORTED] == before[ABORTED] + 1
 
 
 def test_a_stop_request_to_llm_frees_the_requests_kv(server):
     """The convention: a request to `llm` with only `abort_request_id`, naming the request to stop."""
-    before = server.wait_for_metrics(_idle)
+    before = server.wait_for_metrics(idle)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -272,7 +266,7 @@ def test_a_stop_from_another_client_leaves_the_stream_running_to_its_end(server)
     """The attack: a client that knows (or guesses) another's request id sends stops for it, with
     no key and with a wrong one. The first is refused naming abort_key; neither ends the request,
     which runs to max_tokens."""
-    before = server.wait_for_metrics(_idle)
+    before = server.wait_for_metrics(idle)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -304,7 +298,7 @@ def test_a_stop_from_another_client_leaves_the_stream_running_to_its_end(server)
     client.close()
     assert result.as_numpy("finish_reason").tolist() == [b"length"]
     assert tokens == max_tokens
-    after = server.wait_for_metrics(lambda s: _idle(s) and s[LENGTH] > before[LENGTH], timeout=10)
+    after = server.wait_for_metrics(lambda s: idle(s) and s[LENGTH] > before[LENGTH], timeout=10)
     assert after[LENGTH] == before[LENGTH] + 1
     assert after[ABORTED] == before[ABORTED]
 
@@ -318,7 +312,7 @@ def test_a_malformed_abort_key_is_refused_naming_it(server):
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_leaving_an_llm_stream_early_stops_the_request(server, protocol):
     """The client library sends the stop request when a stream is left early."""
-    before = server.wait_for_metrics(_idle)
+    before = server.wait_for_metrics(idle)
     url = server.grpc_url if protocol == "grpc" else server.http_url
     chunks = generate(url, "Once upon a time", protocol=protocol, model="llm", **_long_llm_request(server))
     for _ in range(3):
@@ -336,7 +330,7 @@ def _as_a_shell_starts_it() -> None:
 
 
 def test_ctrl_c_in_the_cli_stops_the_request(server):
-    before = server.wait_for_metrics(_idle)
+    before = server.wait_for_metrics(idle)
     params = _long_llm_request(server)
     cli = subprocess.Popen(
         [sys.executable, "-X", "faulthandler", "-m", "client.cli", "Once upon a time", "--url", server.grpc_url,

@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client.stream import GenerationError, complete, generate
-from tests.server.conftest import start_test_server
+from tests.server.conftest import idle, start_test_server
 
 pytestmark = pytest.mark.server
 
@@ -34,13 +34,6 @@ def _finished(samples: dict[str, float]) -> float:
     return sum(v for k, v in samples.items() if k.startswith(SUCCESS))
 
 
-def _idle(samples: dict[str, float]) -> bool:
-    return (
-        samples["specserve_num_requests_running"] == 0
-        and samples["specserve_kv_cache_free_blocks"] == samples["specserve_kv_cache_total_blocks"]
-    )
-
-
 def _greedy(server, prompt: str) -> str:
     return complete(server.grpc_url, prompt, max_tokens=24, temperature=0, ignore_eos=True).text
 
@@ -60,7 +53,7 @@ def test_both_instances_serve_and_each_output_equals_its_solo_run(two_instances)
 
 
 def test_stopping_streams_frees_the_kv_of_both_instances(two_instances):
-    before = two_instances.wait_for_metrics(_idle)
+    before = two_instances.wait_for_metrics(idle)
     streams = [generate(two_instances.grpc_url, p, max_tokens=1000, ignore_eos=True, temperature=0)
                for p in PROMPTS[:6]]
     for stream in streams:
@@ -69,8 +62,8 @@ def test_stopping_streams_frees_the_kv_of_both_instances(two_instances):
     assert all(n > 0 for n in running.values()), running
     for stream in streams:
         stream.close()  # sends the stop request
-    after = two_instances.wait_for_metrics(_idle, timeout=1.0)
-    assert _idle(after)
+    after = two_instances.wait_for_metrics(idle, timeout=1.0)
+    assert idle(after)
     assert after[f'{SUCCESS}{{finish_reason="abort"}}'] == before[f'{SUCCESS}{{finish_reason="abort"}}'] + 6
 
 

@@ -10,7 +10,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.server.conftest import openai_server
+from tests.server.conftest import idle, openai_server
 
 pytestmark = pytest.mark.server
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -84,10 +84,6 @@ def test_an_unknown_model_is_404(client):
 
 
 def test_leaving_a_stream_frees_the_kv_within_a_second(api, server):
-    def idle(s):
-        return s["specserve_num_requests_running"] == 0 and \
-            s["specserve_kv_cache_free_blocks"] == s["specserve_kv_cache_total_blocks"]
-
     server.wait_for_metrics(idle)
     body = {"model": "specserve", "prompt": "Once upon a time", "max_tokens": 1500, "stream": True,
             "ignore_eos": True, "temperature": 0}

@@ -22,7 +22,7 @@ import pytest
 
 from backend.errors import INTERNAL_ERROR
 from client.stream import GenerationError, generate
-from tests.server.conftest import start_test_server
+from tests.server.conftest import idle, start_test_server
 
 pytestmark = pytest.mark.server
 
@@ -32,13 +32,6 @@ HEALTHY_MAX_TOKENS = 32
 # what a healthy request may take while llm_bls is frozen; alone it takes well under 2 s
 HEALTHY_BOUND_S = 30.0
 LONG_FREEZE_S = 13.0  # past llm_engine's SEND_TIMEOUT_S (10 s)
-
-
-def _idle(samples: dict[str, float]) -> bool:
-    return (
-        samples["specserve_num_requests_running"] == 0
-        and samples["specserve_kv_cache_free_blocks"] == samples["specserve_kv_cache_total_blocks"]
-    )
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +134,7 @@ def _assert_ended(ending: str) -> None:
 
 def test_a_frozen_bls_receiver_stalls_no_other_stream(stuck_server):
     server = stuck_server
-    server.wait_for_metrics(_idle)
+    server.wait_for_metrics(idle)
     alone, tokens = _healthy_request(server)  # also warms the path up
     assert tokens == HEALTHY_MAX_TOKENS
     assert alone < 5
@@ -154,8 +147,8 @@ def test_a_frozen_bls_receiver_stalls_no_other_stream(stuck_server):
         _assert_ended(_ending(bls))
     finally:
         bls.close()  # cancels it if it is still open
-    after = server.wait_for_metrics(_idle, timeout=60)
-    assert _idle(after), after
+    after = server.wait_for_metrics(idle, timeout=60)
+    assert idle(after), after
     assert server.handle.is_ready()
     assert stub.is_running() and stub.status() != psutil.STATUS_STOPPED  # the same stub, running
 
@@ -166,7 +159,7 @@ def test_a_receiver_frozen_for_long_still_has_its_stream_ended(stuck_server):
     replaced): every healthy stream ends in time, and once the stub runs again the llm_bls stream
     ends too, with an internal error (the engine gave it up)."""
     server = stuck_server
-    server.wait_for_metrics(_idle)
+    server.wait_for_metrics(idle)
     bls = _bls_stream_started(server)
     try:
         stub = _stub_process(server, "llm_bls")
@@ -177,8 +170,8 @@ def test_a_receiver_frozen_for_long_still_has_its_stream_ended(stuck_server):
         assert ending == f"error: {INTERNAL_ERROR}"
     finally:
         bls.close()
-    after = server.wait_for_metrics(_idle, timeout=60)
-    assert _idle(after), after
+    after = server.wait_for_metrics(idle, timeout=60)
+    assert idle(after), after
     took, tokens = _healthy_request(server)
     assert tokens == HEALTHY_MAX_TOKENS
     assert stub.is_running() and stub.status() != psutil.STATUS_STOPPED
