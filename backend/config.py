@@ -39,6 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto", "torch", "triton"
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    compile_decode: bool = False  # CPU: decode steps run compiled (torch.compile), compiled at start-up
     speculative_method: str = "none"  # "none", "draft", "eagle" (a head on the target's hidden states), "ngram"
     draft_model: str | None = None  # directory of the draft model (method "draft") or EAGLE head ("eagle")
     draft_dtype: str | None = None  # defaults to `dtype`; on a CPU a tiny draft runs faster in float32
@@ -101,6 +102,9 @@ class EngineConfig:
         if not 1 <= self.pipeline_parallel_size <= 64:
             raise ValidationError("pipeline_parallel_size", f"must be in [1, 64], got {self.pipeline_parallel_size}")
         self._check_pipeline()
+        if self.compile_decode and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValidationError("compile_decode", "runs on one rank: tensor_parallel_size and "
+                                  "pipeline_parallel_size must be 1")
         if self.num_threads < 0:
             raise ValidationError("num_threads", f"must be >= 0, got {self.num_threads}")
         if not 0 <= self.num_speculative_tokens <= 16:

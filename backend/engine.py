@@ -210,6 +210,8 @@ class LLMEngine:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, query_lens)
             if proposer is not None and proposer.runner is not None and not eagle:  # (the head runs eagerly)
                 proposer.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, 2))
+        if config.compile_decode and self.device.type == "cpu":  # (on CUDA decode steps replay graphs)
+            self.runner.compile_decode()
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.block_manager, self.requests,
                                                 self.max_model_len)
         self._ids = itertools.count()

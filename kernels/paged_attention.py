@@ -47,9 +47,10 @@ class ReferencePlan:
 
 
 def plan_reference(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   block_size: int, pool_blocks: int) -> ReferencePlan:
+                   block_size: int, pool_blocks: int, min_pages: int = 1) -> ReferencePlan:
     """`pool_blocks`: the KV pool's blocks, which bound the ids gathered (padding entries of a table may hold
-    any value)."""
+    any value). `min_pages`: short queries read at least this many pages (masked past their length; the
+    tables must have as many columns)."""
     device = seq_lens.device
     starts = cu_seqlens_q[:-1].tolist()
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
@@ -65,7 +66,7 @@ def plan_reference(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
         valid = None
         if any(q_lens[b] != n_max for b in picked):
             valid = torch.tensor([[i < q_lens[b] for i in range(n_max)] for b in picked], device=device)
-        num_blocks = (max(lens[b] for b in picked) + block_size - 1) // block_size
+        num_blocks = max(min_pages, (max(lens[b] for b in picked) + block_size - 1) // block_size)
         tables = block_tables.index_select(0, torch.tensor(picked, device=device))[:, :num_blocks]
         k_pos = torch.arange(num_blocks * block_size, device=device)
         short = ShortQueries(token_rows, valid, tables, k_pos <= q_pos[:, :, None],

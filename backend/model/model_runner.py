@@ -9,7 +9,8 @@ The draft model has a runner of its own with the same block tables and its own p
 On CUDA, a step in which every request computes the same number of tokens (one: decode; k + 1:
 verification) replays a CUDA graph captured at start-up for the smallest batch-size bucket that
 holds it (`graph_shape`); padding rows write nowhere (slot -1) and read cached tokens. Mixed
-steps run eagerly.
+steps run eagerly. On a CPU, decode steps can run compiled instead (`compile_decode`,
+backend/model/compiled_decode.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 from backend.config import EngineConfig
 from backend.host_waits import HostWaits
 from backend.model.attention import AttentionBackend, AttentionMetadata
+from backend.model.compiled_decode import CompiledDecode
 from backend.model.decode_inputs import PAD_BLOCK, PAD_SLOT, DecodeInputs
 from backend.model.model import LlamaForCausalLM
 from backend.uploads import on_device
@@ -63,6 +65,12 @@ def graph_shape(step: StepInput, sizes: dict[int, tuple[int, ...]]) -> tuple[int
     b = len(step.token_ids)
     fitting = [size for size in sizes[q] if size >= b]
     return (min(fitting), q) if fitting else None
+
+
+def is_host_decode(step: StepInput) -> bool:
+    """Every request computes one token, read from the host, at the position the host knows."""
+    return (not step.from_device and step.position_offsets is None
+            and all(len(t) == 1 for t in step.token_ids) and all(n == 1 for n in step.num_logits))
 
 
 @dataclass(slots=True)
@@ -155,6 +163,7 @@ class ModelRunner:
         self.graph_max_seqlen_k = 0
         self.graph_replays = 0
         self.decode_inputs: DecodeInputs | None = None  # host staging of the graphs' inputs
+        self.compiled_decode: CompiledDecode | None = None  # a CPU's compiled decode steps, when asked for
         self.launched: collections.deque[torch.Tensor] = collections.deque()  # logits not collected yet
 
     def init_decode_inputs(self, max_batch_size: int, max_blocks: int, max_tokens_per_row: int = 1) -> None:
@@ -185,6 +194,11 @@ class ModelRunner:
             self.graph_io[f"cu_seqlens_q_{q}"] = torch.arange(0, (biggest + 1) * q, q, dtype=torch.int32, device=dev)
             self.graph_io[f"token_rows_{q}"] = torch.arange(biggest, device=dev).repeat_interleave(q)
         self.init_decode_inputs(biggest, max_blocks, max_q)
+
+    def compile_decode(self) -> None:
+        """Run decode steps compiled from now on (a CPU; compiles at once)."""
+        self.compiled_decode = CompiledDecode(self.model, self.kv_caches)
+        self.compiled_decode.warm_up(self.block_size)
 
     @torch.inference_mode()
     def capture_graphs(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
@@ -335,5 +349,7 @@ class ModelRunner:
             if logits is not None:
                 return logits
         input_ids, positions, meta, logits_indices = self.prepare(step)
+        if self.compiled_decode is not None and intermediate is None and is_host_decode(step):
+            return self.compiled_decode.run(input_ids, positions, meta, logits_indices)
         self._fill_from_device(input_ids, step)
         return self.model(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices, intermediate)

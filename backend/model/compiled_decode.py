@@ -1,0 +1,100 @@
+"""Decode steps as compiled graphs on a CPU: the model's own forward through torch.compile (inductor).
+
+A CPU has no CUDA graphs, and at a small batch a decode step of a small model is mostly small
+torch operations: the default model's runs some 2,000 of them (norms, RoPE, casts, attention
+glue), each a few microseconds of dispatch around little arithmetic. Compiled, their chains
+become fused C++ loops and the dispatch goes; the matmuls (float, or the packed weight-only
+kernels) stay the same calls.
+
+Only decode steps take this path (every request computes one token, read from the host, with no
+position correction); prefill, chunked prefill and verification run eagerly. The forward is traced
+with two dynamic sizes, the requests and the pages each reads, into two graphs, one request and
+several (torch specializes a size of 1), both compiled at start-up so that no request waits for
+the compiler; inductor keeps the compiled code on disk, so the next start is shorter. A step's
+block tables are padded to at least two pages (the padding masked), so that a short context never
+meets a size of 1. The warm-up's sizes are all different numbers: torch would take two sizes that
+are equal at tracing to be equal always.
+
+`DecodeAttention` is TorchAttention's decode step written to trace as one graph: no host reads
+(the KV store's padding check, the plan made on the first layer) and no per-step state on self.
+"""
+from __future__ import annotations
+
+import torch
+
+from backend.model.attention import AttentionBackend, AttentionMetadata
+from backend.model.model import LlamaForCausalLM
+from kernels.paged_attention import _attend_decode, plan_reference
+from kernels.rotary import rotary_tables, rotate
+
+MIN_PAGES = 2  # block tables are padded to this many pages: a size of 1 would be a graph of its own
+
+
+class DecodeAttention(AttentionBackend):
+    """A decode step's RoPE, KV store and paged attention as pure tensor operations, for tracing:
+    every slot is a real one (decode steps have no padding rows) and the plan is made before the
+    forward (`meta.reference_plan`, a decode plan)."""
+
+    name = "torch-decode"
+
+    def rotate_and_store(self, q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+        tables = rotary_tables(positions, cos, sin)  # the same in every layer: the compiler computes it once
+        q, k = rotate(q, tables), rotate(k, tables)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return q
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return _attend_decode(q, k_cache, v_cache, meta.reference_plan.short, scale)
+
+
+class CompiledDecode:
+    """The model's forward compiled for decode steps; `run` takes a step's prepared inputs."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.model, self.kv_caches = model, kv_caches
+        self.attention = DecodeAttention()
+        self.forward = torch.compile(model.forward, fullgraph=True)  # sizes marked dynamic in warm_up
+        self.steps = 0  # decode steps run compiled
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            logits_indices: torch.Tensor) -> torch.Tensor:  # [num_requests, vocab] float32
+        """One decode step (one token per request)."""
+        self._plan(meta)
+        self.steps += 1
+        return self.forward(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices)
+
+    def _plan(self, meta: AttentionMetadata) -> None:
+        """The step's decode plan, its block tables padded to MIN_PAGES (block 0, masked)."""
+        tables = meta.block_tables
+        if tables.shape[1] < MIN_PAGES:
+            meta.block_tables = torch.cat([tables, tables.new_zeros(tables.shape[0], MIN_PAGES - tables.shape[1])], 1)
+        k_cache = self.kv_caches[0][0]
+        meta.reference_plan = plan_reference(meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                             k_cache.shape[1], k_cache.shape[0], min_pages=MIN_PAGES)
+
+    @torch.inference_mode()
+    def warm_up(self, block_size: int) -> None:
+        """Compile both graphs now, on throw-away inputs (one request reading 3 pages, then 2
+        requests reading 4: no two dynamic sizes equal), whose K/V go to slots 0 and 1, which no
+        request holds yet (this runs before the first)."""
+        for num_requests, pages in ((1, 3), (2, 4)):
+            rows = torch.arange(num_requests)
+            length = (pages - 1) * block_size + 1
+            meta = AttentionMetadata(
+                slot_mapping=rows.clone(), cu_seqlens_q=torch.arange(num_requests + 1, dtype=torch.int32),
+                seq_lens=torch.full((num_requests,), length, dtype=torch.int32),
+                block_tables=torch.zeros(num_requests, pages, dtype=torch.int32),
+                max_seqlen_q=1, max_seqlen_k=length)
+            positions, logits_indices = torch.full((num_requests,), length - 1), rows.clone()
+            self._plan(meta)
+            short = meta.reference_plan.short
+            # what the forward reads: [R] ids, positions, slots, logits rows; the plan's [R, pages]
+            # tables, [R, 1, pages x block_size] mask and [R x pages] page ids
+            dynamic = [(short.block_tables, 1), (short.mask, 2), (short.page_ids, 0)]
+            if num_requests > 1:
+                dynamic += [(t, 0) for t in (rows, positions, meta.slot_mapping, logits_indices, short.block_tables,
+                                             short.mask)]
+            for tensor, dim in dynamic:
+                torch._dynamo.mark_dynamic(tensor, dim)
+            self.forward(rows, positions, self.kv_caches, self.attention, meta, logits_indices)
