@@ -110,9 +110,17 @@ def run_llama(args, gguf: Path) -> dict[int, dict]:
         proc.wait(30)
 
 
-def run_specserve(args, quantization: str, threads: int, workdir: Path) -> dict[int, dict]:
+VARIANT_FLAGS = {  # a variant's flags after quantization:threads, and the llm_engine parameters they set
+    "compiled": {"compile_decode": "true"},
+    "plain": {"speculative_method": "none"},
+}
+
+
+def run_specserve(args, quantization: str, threads: int, flags: list[str], workdir: Path) -> dict[int, dict]:
     overrides = {"llm_engine": {"quantization": quantization, "num_threads": str(threads)}}
-    name = f"{quantization}_{threads}"
+    for flag in flags:
+        overrides["llm_engine"].update(VARIANT_FLAGS[flag])
+    name = "_".join([quantization, str(threads), *flags])
     repository = make_repository(DEFAULT_MODEL_REPOSITORY, workdir / name, overrides)
     handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           log_file=workdir / f"{name}.log", log_level="warning", ready_timeout=600)
@@ -135,19 +143,20 @@ def main() -> None:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--variants", nargs="+", default=["int4:1", "int4:2", "int8:2", "none:2"],
-                   help="this engine's configurations, quantization:engine threads (the rest of the machine's "
-                        "cores serve tritonserver, the OpenAI layer and the load)")
+    p.add_argument("--variants", nargs="+", default=["int4:1", "int4:2", "int4:1:compiled", "int4:2:compiled"],
+                   help="this engine's configurations, quantization:engine threads[:flag...] (the rest of the "
+                        "machine's cores serve tritonserver, the OpenAI layer and the load); flags: compiled "
+                        "(compile_decode), plain (no speculation)")
     args = p.parse_args()
     gguf = find_gguf()
     results = {"llama-server (Q4_1)": run_llama(args, gguf)}
     print("llama-server: done", flush=True)
     with tempfile.TemporaryDirectory(prefix="specserve-vs-llama-") as tmp:
         for variant in args.variants:
-            quantization, _, threads = variant.partition(":")
+            quantization, threads, *flags = variant.split(":") + [""] * (variant.count(":") < 1)
             threads = int(threads or args.threads)
-            results[f"specserve ({quantization}, {threads} engine thread{'s' * (threads > 1)})"] = run_specserve(
-                args, quantization, threads, Path(tmp))
+            label = ", ".join([quantization, f"{threads} engine thread{'s' * (threads > 1)}", *flags])
+            results[f"specserve ({label})"] = run_specserve(args, quantization, threads, flags, Path(tmp))
             print(f"specserve {variant}: done", flush=True)
     print(f"\n{gguf.name}, {args.threads} threads each, streamed /v1/completions of {args.max_tokens} tokens "
           f"(ignore_eos, greedy), {args.requests_per_stream} requests per stream\n")

@@ -4,9 +4,11 @@ The default model in-process (LLMEngine), one request decoding: every part of ev
 timed by wrapping its forward (norms, each projection, RoPE with the KV store, paged attention),
 then the lm_head, sampling and the engine's host work, summed per step. The floor is the
 weights' bytes over the machine's read bandwidth (a float32 sum over 1 GiB, measured here).
-Wrapping adds a little time to each part; the step is also timed unwrapped.
+Wrapping adds a little time to each part; the step is also timed unwrapped. With
+--compile-decode the same step is then timed compiled (compile_decode; a compiled graph has no
+parts to wrap), against the eager one and the floor.
 
-    python perf/profile_step.py --quantization int4 --threads 1
+    python perf/profile_step.py --quantization int4 --threads 1 [--compile-decode]
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ def main() -> None:
     p.add_argument("--quantization", default="none")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--compile-decode", action="store_true", help="also time the step compiled")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=str(args.model), num_threads=args.threads, quantization=args.quantization))
     plain = statistics.median(decode_steps(engine, args.steps))
@@ -104,6 +107,13 @@ def main() -> None:
     for label, ms in per_step.items():
         print(f"| {label} | {ms:.2f} | {ms / step_ms:.0%} |")
     print(f"| (projections together) | {projections:.2f} | {projections / step_ms:.0%} |")
+    if args.compile_decode:
+        compiled = LLMEngine(EngineConfig(model=str(args.model), num_threads=args.threads,
+                                          quantization=args.quantization, compile_decode=True))
+        step = statistics.median(decode_steps(compiled, args.steps))
+        print(f"\n| step | ms | vs floor |\n|---|---:|---:|\n| eager | {plain * 1e3:.2f} | {plain * 1e3 / floor:.2f}x |\n"
+              f"| compiled (compile_decode) | {step * 1e3:.2f} | {step * 1e3 / floor:.2f}x |\n"
+              f"| floor | {floor:.2f} | 1.00x |")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ are equal at tracing to be equal always.
 """
 from __future__ import annotations
 
+import locale
+
 import torch
 
 from backend.model.attention import AttentionBackend, AttentionMetadata
@@ -48,10 +50,19 @@ class DecodeAttention(AttentionBackend):
         return _attend_decode(q, k_cache, v_cache, meta.reference_plan.short, scale)
 
 
+def read_text_as_utf8() -> None:
+    """inductor reads its code templates with open()'s default encoding, the locale's; in a
+    process started without a locale (Triton's python backend stub) that is ASCII, and compiling
+    fails on the first non-ASCII byte. Files are read as UTF-8 from then on."""
+    if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+
+
 class CompiledDecode:
     """The model's forward compiled for decode steps; `run` takes a step's prepared inputs."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        read_text_as_utf8()
         self.model, self.kv_caches = model, kv_caches
         self.attention = DecodeAttention()
         self.forward = torch.compile(model.forward, fullgraph=True)  # sizes marked dynamic in warm_up

@@ -1,0 +1,40 @@
+"""compile_decode through a real tritonserver: the engine compiles its decode graphs inside the
+python backend at load, and `llm` over it streams the same greedy text as `llm_eager`, an engine
+of the same model without it, for concurrent requests (decode batches of several) and one alone."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from client.stream import complete
+
+pytestmark = pytest.mark.server
+
+PROMPTS = ["Once upon a time, a little robot", "def main():", "The capital of", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def compiled_server(tmp_path_factory):
+    from tests.server.conftest import start_test_server
+
+    server = start_test_server(tmp_path_factory.mktemp("compiled"), "", parameters={"compile_decode": "true"},
+                               variants={"eager": {"compile_decode": "false"}})
+    yield server
+    server.handle.stop()
+
+
+def _texts(server, model: str) -> list[str]:
+    params = dict(max_tokens=32, temperature=0.0, ignore_eos=True, model=model)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: complete(server.grpc_url, p, protocol="grpc", stream=True,
+                                                    **params).text, PROMPTS))
+    alone = complete(server.grpc_url, PROMPTS[0], protocol="grpc", stream=True, **params).text
+    return together + [alone]
+
+
+def test_compiled_decode_streams_the_eager_engines_text(compiled_server):
+    compiled = _texts(compiled_server, "llm")
+    assert all(compiled)
+    assert compiled == _texts(compiled_server, "llm_eager")
+    assert compiled[0] == compiled[-1]  # alone as in a batch
