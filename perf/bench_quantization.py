@@ -111,6 +111,8 @@ def main() -> None:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--steps", type=int, default=48, help="batch-1 decode steps timed")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--compile-decode", action="store_true",
+                   help="also run each mode with compile_decode: its batch-1 step, tok/s and answers beside the eager ones")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
@@ -119,6 +121,7 @@ def main() -> None:
     windows = code_windows(tokenizer, args.windows, args.window)
     bandwidth = read_bandwidth()
     rows, reference, reference_ppl = [], None, None
+    compiled: dict[str, tuple[float, float, int]] = {}  # mode -> batch-1 step ms, tok/s, answers equal to eager
     for name in args.modes:
         mode, group = MODES[name]
         engine = LLMEngine(EngineConfig(model=str(args.model), num_threads=args.threads, max_num_seqs=64,
@@ -129,6 +132,14 @@ def main() -> None:
         weight_bytes = weight_bytes_per_step(engine.model)
         engine.close()
         del engine
+        if args.compile_decode:
+            engine = LLMEngine(EngineConfig(model=str(args.model), num_threads=args.threads, max_num_seqs=64,
+                                            quantization=mode, quantization_group_size=group, compile_decode=True))
+            compiled_outputs, compiled_tok_s = engine_generate(args.model, "float32", prompts, args.max_tokens, eos,
+                                                               args.threads, len(prompts), engine=engine)
+            compiled[name] = (batch1_step_ms(engine, prompts[0], args.steps), compiled_tok_s,
+                              sum(c == o for c, o in zip(compiled_outputs, outputs)))
+            del engine
         hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True).eval()
         swap_linears(hf, mode, group)
         if reference is None:
@@ -154,6 +165,15 @@ def main() -> None:
         print(f"| {name} | {agreement:.4f} | {identical}/{len(prompts)} | {prefix:.3f} | {ppl:.3f} ({rel:+.2%}) | "
               f"{weight_bytes / 1e6:.0f} MB | {step_ms:.1f} ms | {floor_ms:.1f} ms | {step_ms / floor_ms:.2f}x | "
               f"{tok_s:.1f} |")
+    if compiled:
+        print("\nThe same engines with compile_decode (decode steps compiled; prefill eager):\n")
+        print("| mode | batch-1 step eager | compiled | compiled / floor | tok/s all in flight eager | compiled | "
+              "answers equal to eager |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for name, _, _, _, _, _, _, step_ms, floor_ms, tok_s in rows:
+            c_step, c_tok_s, same = compiled[name]
+            print(f"| {name} | {step_ms:.1f} ms | {c_step:.1f} ms | {c_step / floor_ms:.2f}x | {tok_s:.1f} | "
+                  f"{c_tok_s:.1f} | {same}/{len(prompts)} |")
 
 
 if __name__ == "__main__":

@@ -5,11 +5,15 @@ length (no compile after start-up)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.errors import ValidationError
+from backend.model.model_runner import StepInput
+from backend.sampling_params import SamplingParams
+from tests.model.test_eagle import eagle_engine, head  # noqa: F401 (a fixture)
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
 from tests.model.test_quantization import hf_quantized_greedy
 
@@ -45,6 +49,40 @@ def test_compiled_decode_with_int4_matches_hf_with_the_same_layers(tiny_llama):
     got = run_engine(engine, prompts, max_tokens)
     assert got == hf_quantized_greedy(tiny_llama, "int4", 32, prompts, max_tokens)
     assert engine.runner.compiled_decode.steps > 0
+
+
+def test_a_compiled_step_writes_what_the_eager_step_writes(tiny_llama, head):  # noqa: F811
+    """Beside an EAGLE head the target's forward also keeps every position's hidden state (the
+    feature pool, a tensor the graph writes that is no argument of it). Three requests mid-decode,
+    one step run compiled and then eagerly on the same inputs: the same logits, and the same K/V
+    and features at the step's slots."""
+    engine = eagle_engine(tiny_llama, head, compile_decode=True, num_threads=1)
+    for prompt in ([5, 6, 7], list(range(3, 40)), list(range(50, 70))):
+        engine.add_request(prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    runner, bs = engine.runner, engine.config.block_size
+    step = StepInput([], [], [], [])
+    for request in engine.requests.values():
+        step.add([request.all_token_ids[-1]], request.num_computed_tokens, request.block_table, 1)
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(step.block_tables, step.start_positions)])
+    pool = engine.model.feature_pool
+
+    def written() -> list[torch.Tensor]:
+        return [pool[slots].clone()] + [cache.flatten(0, 1)[slots].clone() for layer in runner.kv_caches for cache in layer]
+
+    compiled_steps = runner.compiled_decode.steps
+    compiled_logits = runner.run(step)
+    assert runner.compiled_decode.steps == compiled_steps + 1
+    compiled = written()
+    pool[slots] = 0
+    runner.compiled_decode, compiled_decode = None, runner.compiled_decode
+    eager_logits = runner.run(step)
+    runner.compiled_decode = compiled_decode
+    assert compiled[0].abs().sum() > 0
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    for got, expected in zip(compiled, written()):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_compiled_decode_is_refused_across_ranks(tiny_llama):
