@@ -121,7 +121,8 @@ def main() -> None:
     windows = code_windows(tokenizer, args.windows, args.window)
     bandwidth = read_bandwidth()
     rows, reference, reference_ppl = [], None, None
-    compiled: dict[str, tuple[float, float, int]] = {}  # mode -> batch-1 step ms, tok/s, answers equal to eager
+    # mode -> compiled: batch-1 step ms, tok/s, answers equal to eager's, to float32's, common prefix with float32's
+    compiled: dict[str, tuple[float, float, int, int, float]] = {}
     for name in args.modes:
         mode, group = MODES[name]
         engine = LLMEngine(EngineConfig(model=str(args.model), num_threads=args.threads, max_num_seqs=64,
@@ -137,8 +138,12 @@ def main() -> None:
                                             quantization=mode, quantization_group_size=group, compile_decode=True))
             compiled_outputs, compiled_tok_s = engine_generate(args.model, "float32", prompts, args.max_tokens, eos,
                                                                args.threads, len(prompts), engine=engine)
+            reference_outputs = outputs if reference is None else reference  # float32's, the first mode
             compiled[name] = (batch1_step_ms(engine, prompts[0], args.steps), compiled_tok_s,
-                              sum(c == o for c, o in zip(compiled_outputs, outputs)))
+                              sum(c == o for c, o in zip(compiled_outputs, outputs)),
+                              sum(c == r for c, r in zip(compiled_outputs, reference_outputs)),
+                              sum(common_prefix(c, r) for c, r in zip(compiled_outputs, reference_outputs))
+                              / sum(len(r) for r in reference_outputs))
             del engine
         hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True).eval()
         swap_linears(hf, mode, group)
@@ -168,12 +173,13 @@ def main() -> None:
     if compiled:
         print("\nThe same engines with compile_decode (decode steps compiled; prefill eager):\n")
         print("| mode | batch-1 step eager | compiled | compiled / floor | tok/s all in flight eager | compiled | "
-              "answers equal to eager |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for name, _, _, _, _, _, _, step_ms, floor_ms, tok_s in rows:
-            c_step, c_tok_s, same = compiled[name]
+              "answers equal to eager's | to float32's (eager) | common prefix with float32 (eager) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, _, identical, prefix, _, _, _, step_ms, floor_ms, tok_s in rows:
+            c_step, c_tok_s, same, c_identical, c_prefix = compiled[name]
             print(f"| {name} | {step_ms:.1f} ms | {c_step:.1f} ms | {c_step / floor_ms:.2f}x | {tok_s:.1f} | "
-                  f"{c_tok_s:.1f} | {same}/{len(prompts)} |")
+                  f"{c_tok_s:.1f} | {same}/{len(prompts)} | {c_identical}/{len(prompts)} ({identical}/{len(prompts)}) | "
+                  f"{c_prefix:.3f} ({prefix:.3f}) |")
 
 
 if __name__ == "__main__":

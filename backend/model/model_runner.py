@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from backend.config import EngineConfig
+from backend.errors import ValidationError
 from backend.host_waits import HostWaits
 from backend.model.attention import AttentionBackend, AttentionMetadata
 from backend.model.compiled_decode import CompiledDecode
@@ -196,9 +197,16 @@ class ModelRunner:
         self.init_decode_inputs(biggest, max_blocks, max_q)
 
     def compile_decode(self) -> None:
-        """Run decode steps compiled from now on (a CPU; compiles at once)."""
-        self.compiled_decode = CompiledDecode(self.model, self.kv_caches)
-        self.compiled_decode.warm_up(self.block_size)
+        """Run decode steps compiled from now on (a CPU; compiles at once). A machine where
+        torch.compile cannot build (no C++ compiler) fails the load, naming the parameter."""
+        compiled = CompiledDecode(self.model, self.kv_caches)
+        try:
+            compiled.warm_up(self.block_size)
+        except Exception as e:  # inductor's errors have no common base
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValidationError("compile_decode", f"torch.compile could not build the decode step ({reason}); "
+                                  "set compile_decode to false, or install a C++ compiler") from e
+        self.compiled_decode = compiled
 
     @torch.inference_mode()
     def capture_graphs(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:

@@ -88,3 +88,15 @@ def test_a_compiled_step_writes_what_the_eager_step_writes(tiny_llama, head):  #
 def test_compiled_decode_is_refused_across_ranks(tiny_llama):
     with pytest.raises(ValidationError, match="compile_decode"):
         EngineConfig(model=str(tiny_llama), compile_decode=True, tensor_parallel_size=2)
+
+
+def test_a_machine_that_cannot_compile_fails_the_load_naming_the_parameter(tiny_llama, monkeypatch):
+    """No C++ compiler (and no cached build to fall back on): a ValidationError on compile_decode."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    with pytest.raises(ValidationError, match="compile_decode: torch.compile could not build"):
+        LLMEngine(EngineConfig(model=str(tiny_llama), compile_decode=True, num_threads=1))
