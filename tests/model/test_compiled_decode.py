@@ -13,6 +13,7 @@ from backend.engine import LLMEngine
 from backend.errors import ValidationError
 from backend.model.model_runner import StepInput
 from backend.sampling_params import SamplingParams
+from tests.conftest import write_tiny_model
 from tests.model.test_eagle import eagle_engine, head  # noqa: F401 (a fixture)
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
 from tests.model.test_quantization import hf_quantized_greedy
@@ -90,13 +91,16 @@ def test_compiled_decode_is_refused_across_ranks(tiny_llama):
         EngineConfig(model=str(tiny_llama), compile_decode=True, tensor_parallel_size=2)
 
 
-def test_a_machine_that_cannot_compile_fails_the_load_naming_the_parameter(tiny_llama, monkeypatch):
-    """No C++ compiler (and no cached build to fall back on): a ValidationError on compile_decode."""
+def test_a_machine_that_cannot_compile_fails_the_load_naming_the_parameter(tmp_path, monkeypatch):
+    """No C++ compiler (and no build cached on disk or in this process to fall back on: a model of
+    a width no other test has): a ValidationError on compile_decode."""
     import torch._functorch.config
     import torch._inductor.config
+
+    model_dir = write_tiny_model(tmp_path / "model", intermediate_size=136)
 
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     with pytest.raises(ValidationError, match="compile_decode: torch.compile could not build"):
-        LLMEngine(EngineConfig(model=str(tiny_llama), compile_decode=True, num_threads=1))
+        LLMEngine(EngineConfig(model=str(model_dir), compile_decode=True, num_threads=1))
