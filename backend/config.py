@@ -28,6 +28,9 @@ class EngineConfig:
     dtype: str = "float32"
     quantization: str = "none"  # the target's weights: "none", "int8" (per row), "int4" (per group)
     quantization_group_size: int = 32  # int4: input columns sharing a scale and minimum (32, 64, 128)
+    # CPU, int8/int4: rows of input from which a layer multiplies by a bfloat16 copy of its weight
+    # (prefill, large batches); 0: timed per weight shape at load; -1: never (no copy kept)
+    quantization_dense_rows: int = 0
     device: str = "auto"  # "auto": cuda if available, else cpu
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_bytes: int = 256 * 2**20  # KV pool budget on CPU (both draft and target)
@@ -64,6 +67,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValidationError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         check_quantization(self.quantization, self.quantization_group_size)
+        if self.quantization_dense_rows < -1:
+            raise ValidationError("quantization_dense_rows", f"must be -1 (never), 0 (timed at load) or a row "
+                                  f"count, got {self.quantization_dense_rows}")
         if self.draft_dtype is None:
             self.draft_dtype = self.dtype
         if self.draft_dtype not in DTYPES:

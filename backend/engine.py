@@ -45,7 +45,7 @@ from backend.host_copy import HostCopy
 from backend.host_memory import retain_freed_memory
 from backend.host_waits import HostWaits
 from backend.model.attention import make_attention_backend
-from backend.model.linear_tuner import tune_small_batch_linears
+from backend.model.linear_tuner import tune_quantized_linears, tune_small_batch_linears
 from backend.model.model_loader import (
     TORCH_DTYPES,
     load_draft_model,
@@ -155,6 +155,8 @@ class LLMEngine:
             m.use_triton_kernels(self.attention.name == "triton")  # RMSNorm and SiLU-multiply too
             if self.attention.name == "triton" and self.device.type == "cuda":
                 self.linear_choices[name] = tune_small_batch_linears(m)
+        if config.quantization != "none" and self.device.type == "cpu":  # (the target's layers only)
+            self.linear_choices["target"] = tune_quantized_linears(model, config.quantization_dense_rows)
         bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
         if self.draft_model is not None:
             bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.draft_dtype)

@@ -1,4 +1,6 @@
-"""Per weight shape, torch's matmul or the Triton small-batch kernel, timed at startup on CUDA.
+"""Per weight shape, which kernel multiplies, timed at startup: on CUDA torch's matmul or the Triton
+small-batch kernel; on a CPU with weight-only quantization, the packed kernel or a dense bfloat16
+copy of the weight (`tune_quantized_linears`).
 
 At batch 1-16 a linear layer reads its whole weight for a few rows of output; which kernel reads
 it faster depends on the shape and the GPU. For each distinct weight shape of a model the tuner
@@ -18,9 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.model.model import Linear
+from backend.model.quantized_linear import KERNEL_DTYPE, RescoredHead, WeightOnlyLinear
 from kernels.gemv import MAX_ROWS, gemv
 
 ROW_COUNTS = (1, 2, 4, 8, MAX_ROWS)
+DENSE_ROW_COUNTS = (256, 128, 64, 32, 16, 8, 4)  # packed against dense, from the most rows down
 REPEATS = 10
 FLUSH_BYTES = 256 << 20  # more than any GPU's L2
 
@@ -102,3 +106,54 @@ def _tune(model: nn.Module, by_shape: dict[tuple[int, int], list[Linear]]) -> di
         del flush
         torch.cuda.empty_cache()
     return report
+
+
+def rows_for_dense(times: dict[int, tuple[float, float]]) -> int | None:
+    """The fewest rows from which the dense product was faster at every measured row count (None:
+    at none); times: rows -> (packed seconds, dense seconds)."""
+    chosen = None
+    for rows, (packed_seconds, dense_seconds) in sorted(times.items(), reverse=True):
+        if dense_seconds >= packed_seconds:
+            break
+        chosen = rows
+    return chosen
+
+
+def tune_quantized_linears(model: nn.Module, dense_rows: int) -> dict[tuple[int, int], dict]:
+    """Sets, for every weight-only quantized layer, the rows of input from which it multiplies by a
+    dense bfloat16 copy of its weight: `dense_rows` for all (-1: never), or 0: per weight shape,
+    the fewest rows from which the copy measured faster at every count of DENSE_ROW_COUNTS (none
+    kept where the packed kernel always won). Returns the choice and the times per shape."""
+    by_shape: dict[tuple[int, int], list[WeightOnlyLinear]] = {}
+    for module in model.modules():
+        layer = getattr(module, "quantized", None)
+        layer = layer.quantized if isinstance(layer, RescoredHead) else layer
+        if isinstance(layer, WeightOnlyLinear):
+            by_shape.setdefault(layer.weight_shape, []).append(layer)
+    report = {}
+    for shape, layers in by_shape.items():
+        times = {}
+        if dense_rows == 0:
+            times = _time_packed_and_dense(layers[0])
+            chosen = rows_for_dense(times)
+        else:
+            chosen = None if dense_rows < 0 else dense_rows
+        for layer in layers:
+            layer.use_dense_from(chosen)
+        report[shape] = {"dense_min_rows": chosen, "seconds (packed, dense) by rows": times}
+    return report
+
+
+@torch.inference_mode()
+def _time_packed_and_dense(layer: WeightOnlyLinear) -> dict[int, tuple[float, float]]:
+    times = {}
+    layer.use_dense_from(1)  # the copy, made once
+    for rows in DENSE_ROW_COUNTS:
+        x = torch.randn(rows, layer.weight_shape[1], dtype=KERNEL_DTYPE)
+        layer.dense_min_rows = rows + 1
+        packed = time_call(lambda: layer(x), None, REPEATS // 2)
+        layer.dense_min_rows = rows
+        times[rows] = (packed, time_call(lambda: layer(x), None, REPEATS // 2))
+        if times[rows][1] >= packed:
+            break  # fewer rows only favour the packed kernel further
+    return times

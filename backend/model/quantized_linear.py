@@ -20,6 +20,13 @@ On a CPU the products run in torch's packed weight-only kernels (`_weight_int8pa
 float16 paths run 10-30x slower), so a layer casts its input to bfloat16 for the product and the
 result back: the residual stream, norms, RoPE and attention keep the model's dtype. On other
 devices a layer multiplies by its dequantized weight (correct, no faster than the float model).
+
+The packed kernels convert every weight to a float for every row of input, so their time grows
+with the rows: at a prefill's hundreds of rows a dense bfloat16 GEMM (AMX where the CPU has it)
+is several times faster. A layer can keep a bfloat16 copy of its dequantized weight and use it from
+`dense_min_rows` rows of input on (`use_dense_from`; backend/model/linear_tuner.py times both per
+weight shape at load). Compiled decode steps keep the packed kernels: a branch on the row count
+would split their graph in two.
 """
 from __future__ import annotations
 
@@ -56,9 +63,35 @@ def int8_row_scales(w: torch.Tensor) -> torch.Tensor:
     return best_scale
 
 
-class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+class WeightOnlyLinear(nn.Module):
+    """What both packed layers share: the dense bfloat16 copy for many rows, when kept."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
+        self.weight_shape = tuple(weight.shape)  # (out, in)
+        self.dense_weight: torch.Tensor | None = None  # [out, in] bfloat16, the dequantized weight
+        self.dense_min_rows = 0  # rows of input from which dense_weight multiplies
+
+    def dequantized_weight(self) -> torch.Tensor:  # [out, in] float32
+        raise NotImplementedError
+
+    def use_dense_from(self, rows: int | None) -> None:
+        """Multiply inputs of `rows` rows or more by a bfloat16 copy of the dequantized weight
+        (None: never, and no copy kept)."""
+        self.dense_weight = None if rows is None else self.dequantized_weight().to(KERNEL_DTYPE)
+        self.dense_min_rows = rows or 0
+
+    def dense_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [rows, in] times the dense copy, [rows, out] in KERNEL_DTYPE; None where the packed
+        kernel is to run."""
+        if self.dense_weight is None or x.shape[0] < self.dense_min_rows or torch.compiler.is_compiling():
+            return None
+        return F.linear(x.to(KERNEL_DTYPE), self.dense_weight)
+
+
+class Int8Linear(WeightOnlyLinear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight)
         w = weight.detach().float()
         scale = int8_row_scales(w)
         self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
@@ -70,16 +103,19 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.qweight.device.type == "cpu":
-            y = torch._weight_int8pack_mm(_rows(x).to(KERNEL_DTYPE), self.qweight, self.scale)
+            rows = _rows(x)
+            y = self.dense_product(rows)
+            if y is None:
+                y = torch._weight_int8pack_mm(rows.to(KERNEL_DTYPE), self.qweight, self.scale)
             y = _unflatten(y.to(x.dtype), x)
         else:
             y = F.linear(x, (self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]))
         return y if self.bias is None else y + self.bias
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(WeightOnlyLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int):
-        super().__init__()
+        super().__init__(weight)
         out_features, in_features = weight.shape
         if in_features % group_size:
             raise ValidationError("quantization_group_size", f"must divide every layer's input width; "
@@ -122,10 +158,13 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.packed:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(_rows(x).to(KERNEL_DTYPE), self.qweight, self.group_size,
-                                                           self.scales_and_zeros)
-            if y.shape[1] != self.out_features:  # padding rows
-                y = y[:, : self.out_features]
+            rows = _rows(x)
+            y = self.dense_product(rows)
+            if y is None:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(KERNEL_DTYPE), self.qweight, self.group_size,
+                                                               self.scales_and_zeros)
+                if y.shape[1] != self.out_features:  # padding rows
+                    y = y[:, : self.out_features]
             y = _unflatten(y.to(x.dtype), x)
         else:
             y = F.linear(x, self.dequantized_weight().to(x.dtype))
@@ -195,16 +234,19 @@ def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
     return total
 
 
-def swap_linears(model: nn.Module, mode: str, group_size: int = 32) -> nn.Module:
+def swap_linears(model: nn.Module, mode: str, group_size: int = 32, dense_rows: int = -1) -> nn.Module:
     """Replaces every torch nn.Linear of a model from elsewhere (HF transformers', for the tests
-    and benchmarks that compare against it) by its quantized form; returns the model."""
+    and benchmarks that compare against it) by its quantized form, multiplying by a dense copy
+    from `dense_rows` rows of input (-1: never); returns the model."""
     check_quantization(mode, group_size)
     if mode != "none":
         for parent_name, parent in list(model.named_modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
                     head = _is_lm_head(f"{parent_name}.{name}" if parent_name else name)
-                    setattr(parent, name, quantized_linear(child.weight, child.bias, mode, group_size, head))
+                    layer = quantized_linear(child.weight, child.bias, mode, group_size, head)
+                    (layer.quantized if head else layer).use_dense_from(dense_rows if dense_rows > 0 else None)
+                    setattr(parent, name, layer)
     return model
 
 

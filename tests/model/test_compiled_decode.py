@@ -45,7 +45,7 @@ def test_compiled_decode_matches_hf(arch, request):
 def test_compiled_decode_with_int4_matches_hf_with_the_same_layers(tiny_llama):
     """The packed int4 kernels inside the compiled graph: the same tokens as HF's model with the
     same quantized layers."""
-    engine = compiled_engine(tiny_llama, quantization="int4", max_num_batched_tokens=48)
+    engine = compiled_engine(tiny_llama, quantization="int4", quantization_dense_rows=-1, max_num_batched_tokens=48)
     prompts, max_tokens = mixed_prompts(8, seed=6)
     got = run_engine(engine, prompts, max_tokens)
     assert got == hf_quantized_greedy(tiny_llama, "int4", 32, prompts, max_tokens)

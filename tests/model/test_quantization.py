@@ -1,6 +1,8 @@
 """Weight-only quantization through the real loader and engine: greedy output equals HF
 transformers' generate with the same quantized layers swapped into HF's model (the oracle), for a
-Llama and a Qwen2 (q/k/v biases, tied embeddings), in a batch with chunked prefill."""
+Llama and a Qwen2 (q/k/v biases, tied embeddings), in a batch with chunked prefill, with the packed
+kernels alone and with the dense bfloat16 copy alone (the row counts at which a layer switches differ
+between a batch and HF's one request, so each test keeps one path)."""
 from __future__ import annotations
 
 import pytest
@@ -15,10 +17,11 @@ from tests.model.test_engine_vs_hf import mixed_prompts, run_engine
 
 
 @torch.inference_mode()
-def hf_quantized_greedy(model_dir, mode: str, group_size: int, prompts, max_tokens) -> list[list[int]]:
+def hf_quantized_greedy(model_dir, mode: str, group_size: int, prompts, max_tokens,
+                        dense_rows: int = -1) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    swap_linears(model, mode, group_size)
+    swap_linears(model, mode, group_size, dense_rows)
     outputs = []
     for prompt, n in zip(prompts, max_tokens):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
@@ -27,24 +30,26 @@ def hf_quantized_greedy(model_dir, mode: str, group_size: int, prompts, max_toke
     return outputs
 
 
+@pytest.mark.parametrize("dense_rows", [-1, 1])  # packed kernels alone; the dense copy alone
 @pytest.mark.parametrize("arch, mode, group_size", [
     ("tiny_llama", "int8", 32),
     ("tiny_llama", "int4", 32),
     ("tiny_qwen2", "int4", 64),
     ("tiny_qwen2", "int8", 32),
 ])
-def test_quantized_engine_matches_hf_with_the_same_layers(arch, mode, group_size, request):
+def test_quantized_engine_matches_hf_with_the_same_layers(arch, mode, group_size, dense_rows, request):
     model_dir = request.getfixturevalue(arch)
     engine = LLMEngine(EngineConfig(model=str(model_dir), quantization=mode, quantization_group_size=group_size,
-                                    max_num_batched_tokens=48, num_threads=1))
+                                    quantization_dense_rows=dense_rows, max_num_batched_tokens=48, num_threads=1))
     kind = Int8Linear if mode == "int8" else Int4Linear
     layers = [m for m in engine.model.model.modules() if isinstance(m, Linear)]
     assert layers and all(isinstance(m.quantized, kind) and m.weight is None for m in layers)
     head = engine.model.lm_head.quantized  # quantized like the layers, its best candidates rescored
     assert isinstance(head, RescoredHead) and isinstance(head.quantized, kind)
+    assert all((m.quantized.dense_weight is not None) == (dense_rows > 0) for m in layers)
     prompts, max_tokens = mixed_prompts(12, seed=3)
     got = run_engine(engine, prompts, max_tokens)
-    assert got == hf_quantized_greedy(model_dir, mode, group_size, prompts, max_tokens)
+    assert got == hf_quantized_greedy(model_dir, mode, group_size, prompts, max_tokens, dense_rows)
 
 
 def test_quantization_changes_the_output_of_a_random_model(tiny_llama):
@@ -52,6 +57,7 @@ def test_quantization_changes_the_output_of_a_random_model(tiny_llama):
     int4's error changes some greedy tokens."""
     prompts, max_tokens = mixed_prompts(12, seed=3)
     float_out = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama), num_threads=1)), prompts, max_tokens)
-    int4_out = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama), quantization="int4", num_threads=1)),
+    int4_out = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama), quantization="int4", num_threads=1,
+                                                 quantization_dense_rows=-1)),
                           prompts, max_tokens)
     assert int4_out != float_out

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from backend.config import EngineConfig
+from backend.engine import LLMEngine
 from backend.errors import ValidationError
 from backend.model.model import Linear
 from backend.model.quantized_linear import (
@@ -135,6 +136,8 @@ def test_swap_linears_replaces_torch_linears():
     ({"quantization": "int3"}, "quantization"),
     ({"quantization": "fp4"}, "quantization"),
     ({"quantization": "int4", "quantization_group_size": "48"}, "quantization_group_size"),
+    ({"quantization": "int4", "quantization_dense_rows": "-2"}, "quantization_dense_rows"),
+    ({"quantization": "int4", "quantization_dense_rows": "many"}, "quantization_dense_rows"),
 ])
 def test_bad_quantization_is_refused_by_name(tiny_llama, values, field):
     with pytest.raises(ValidationError) as e:
@@ -146,3 +149,48 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused():
     with pytest.raises(ValidationError) as e:
         Int4Linear(torch.randn(16, 96), None, 64)
     assert e.value.field == "quantization_group_size" and "96" in e.value.message
+
+
+@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+def test_a_layer_multiplies_by_its_dense_copy_from_its_row_count_on(kind):
+    """From `dense_min_rows` rows of input the product is the bfloat16 GEMM with the dequantized
+    weight; below, the packed kernel's; None drops the copy."""
+    w, _ = q4_1_weight(40, 128, seed=2)
+    layer = Int8Linear(w, None) if kind is Int8Linear else Int4Linear(w, None, 32)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(3))
+    packed = layer(x)
+    layer.use_dense_from(8)
+    assert layer.dense_weight.dtype == torch.bfloat16 and layer.dense_weight.shape == (40, 128)
+    dense = (x.bfloat16() @ layer.dequantized_weight().bfloat16().t()).float()
+    assert torch.equal(layer(x), dense)
+    assert torch.equal(layer(x[:7]), packed[:7])  # 7 rows: the packed kernel
+    layer.use_dense_from(None)
+    assert layer.dense_weight is None and torch.equal(layer(x), packed)
+
+
+def test_rows_for_dense_is_the_fewest_rows_from_which_dense_always_won():
+    from backend.model.linear_tuner import rows_for_dense
+
+    assert rows_for_dense({256: (9.0, 1.0), 128: (4.0, 1.0), 64: (2.0, 1.5), 32: (1.0, 1.2)}) == 64
+    assert rows_for_dense({256: (9.0, 1.0), 128: (1.0, 2.0), 64: (2.0, 1.5)}) == 256  # not below a loss
+    assert rows_for_dense({256: (1.0, 2.0)}) is None
+
+
+def test_quantized_layers_are_tuned_at_load_or_set(tiny_llama):
+    """quantization_dense_rows 0 times both per weight shape (a row count or None for every
+    shape); a row count sets it everywhere; -1 keeps no copy."""
+    def engine(rows):
+        return LLMEngine(EngineConfig(model=str(tiny_llama), quantization="int4", quantization_dense_rows=rows,
+                                      num_threads=1))
+
+    layers = lambda e: [m.quantized.quantized if isinstance(m.quantized, RescoredHead) else m.quantized
+                        for m in e.model.modules() if getattr(m, "quantized", None) is not None]
+    tuned = engine(0)
+    report = tuned.linear_choices["target"]
+    assert set(report) == {layer.weight_shape for layer in layers(tuned)}
+    for layer in layers(tuned):
+        chosen = report[layer.weight_shape]["dense_min_rows"]
+        assert (layer.dense_weight is None) == (chosen is None) and layer.dense_min_rows == (chosen or 0)
+        assert report[layer.weight_shape]["seconds (packed, dense) by rows"]
+    assert all(layer.dense_min_rows == 16 for layer in layers(engine(16)))
+    assert all(layer.dense_weight is None for layer in layers(engine(-1)))
