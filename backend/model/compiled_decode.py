@@ -21,6 +21,7 @@ are equal at tracing to be equal always.
 from __future__ import annotations
 
 import locale
+import logging
 
 import torch
 
@@ -30,6 +31,8 @@ from kernels.paged_attention import _attend_decode, plan_reference
 from kernels.rotary import rotary_tables, rotate
 
 MIN_PAGES = 2  # block tables are padded to this many pages: a size of 1 would be a graph of its own
+
+log = logging.getLogger(__name__)
 
 
 class DecodeAttention(AttentionBackend):
@@ -67,13 +70,25 @@ class CompiledDecode:
         self.attention = DecodeAttention()
         self.forward = torch.compile(model.forward, fullgraph=True)  # sizes marked dynamic in warm_up
         self.steps = 0  # decode steps run compiled
+        self.eager_steps = 0  # decode steps that would have compiled a new graph, run eagerly instead
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             logits_indices: torch.Tensor) -> torch.Tensor:  # [num_requests, vocab] float32
-        """One decode step (one token per request)."""
+        """One decode step (one token per request). A step that fits neither graph (a bug) runs
+        eagerly rather than stall every request for a compile."""
         self._plan(meta)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                logits = self.forward(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices)
+        except RuntimeError as e:
+            if "Detected recompile" not in str(e):  # torch's message for this stance (no error class of its own)
+                raise
+            if not self.eager_steps:
+                log.warning("a decode step fits no compiled graph; running it eagerly: %s", str(e).splitlines()[0])
+            self.eager_steps += 1
+            return self.model(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices)
         self.steps += 1
-        return self.forward(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices)
+        return logits
 
     def _plan(self, meta: AttentionMetadata) -> None:
         """The step's decode plan, its block tables padded to MIN_PAGES (block 0, masked)."""

@@ -84,7 +84,8 @@ class WeightOnlyLinear(nn.Module):
     def dense_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [rows, in] times the dense copy, [rows, out] in KERNEL_DTYPE; None where the packed
         kernel is to run."""
-        if self.dense_weight is None or x.shape[0] < self.dense_min_rows or torch.compiler.is_compiling():
+        # (compiling first: a comparison of the traced row count would be a condition on the graph)
+        if torch.compiler.is_compiling() or self.dense_weight is None or x.shape[0] < self.dense_min_rows:
             return None
         return F.linear(x.to(KERNEL_DTYPE), self.dense_weight)
 
