@@ -43,7 +43,7 @@ class DecodeAttention(AttentionBackend):
     name = "torch-decode"
 
     def rotate_and_store(self, q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
-        tables = rotary_tables(positions, cos, sin)  # the same in every layer: the compiler computes it once
+        tables = rotary_tables(positions, cos, sin)  # the same in every layer: a few fused ops each
         q, k = rotate(q, tables), rotate(k, tables)
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
