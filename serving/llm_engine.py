@@ -140,9 +140,12 @@ class TritonPythonModel:
         if engine_process:  # the engine core reads SPECSERVE_FAULT_INJECTION itself
             self.loop = EngineCoreClient(config)
         else:
-            engine = LLMEngine(config)
-            engine.fault_hook = fault_hook
-            self.loop = EngineLoop(engine)
+            def make_engine() -> LLMEngine:
+                engine = LLMEngine(config)
+                engine.fault_hook = fault_hook
+                return engine
+
+            self.loop = EngineLoop.build(make_engine)  # built on the thread that steps it
         self.unloading = False  # the engine died and this model asked Triton to unload it
         self.others_serve = False  # the engine died while other instances serve on
         self.closing = False  # finalize() has begun

@@ -65,14 +65,19 @@ def serve(config: EngineConfig, requests_address: str, outputs_address: str, par
     outbox = _Outbox(context, outputs_address)
     inbox = context.socket(zmq.PULL)
     inbox.connect(requests_address)
-    try:
+
+    def make_engine() -> LLMEngine:
         engine = LLMEngine(config)
         engine.fault_hook = fault_hook_from_env(os.environ.get("SPECSERVE_FAULT_INJECTION"))
+        return engine
+
+    try:
+        loop = EngineLoop.build(make_engine)  # built on the thread that steps it
     except Exception as e:
         log.exception("the engine could not start")
         outbox.send(Failed(f"{type(e).__name__}: {e}"))
         return 1
-    loop = EngineLoop(engine)
+    engine = loop.engine
     last_stats = 0.0
 
     def on_output(output: RequestOutput) -> None:  # the engine thread
