@@ -10,7 +10,9 @@ Only decode steps take this path (every request computes one token, read from th
 position correction); prefill, chunked prefill and verification run eagerly. The forward is traced
 with two dynamic sizes, the requests and the pages each reads, into two graphs, one request and
 several (torch specializes a size of 1), both compiled at start-up so that no request waits for
-the compiler; inductor keeps the compiled code on disk, so the next start is shorter. A step's
+the compiler; inductor keeps the compiled code on disk, so the next start is shorter. Quantized
+layers keep their packed kernels in the graphs, so a decode step of as many requests as a layer's
+dense copy takes (quantization_dense_rows) runs eagerly, through the copy. A step's
 block tables are padded to at least two pages (the padding masked), so that a short context never
 meets a size of 1. The warm-up's sizes are all different numbers: torch would take two sizes that
 are equal at tracing to be equal always.
@@ -27,6 +29,7 @@ import torch
 
 from backend.model.attention import AttentionBackend, AttentionMetadata
 from backend.model.model import LlamaForCausalLM
+from backend.model.quantized_linear import WeightOnlyLinear
 from kernels.paged_attention import _attend_decode, plan_reference
 from kernels.rotary import rotary_tables, rotate
 
@@ -71,6 +74,15 @@ class CompiledDecode:
         self.forward = torch.compile(model.forward, fullgraph=True)  # sizes marked dynamic in warm_up
         self.steps = 0  # decode steps run compiled
         self.eager_steps = 0  # decode steps that would have compiled a new graph, run eagerly instead
+        self.dense_steps = 0  # decode steps of max_requests or more, run eagerly (the runner counts)
+        # the graphs keep the packed weight-only kernels: from the fewest rows at which a quantized
+        # layer multiplies by its dense copy (set at load, before this) the eager step is faster
+        self.max_requests = min((m.dense_min_rows for m in model.modules()
+                                 if isinstance(m, WeightOnlyLinear) and m.dense_weight is not None), default=None)
+
+    def takes(self, num_requests: int) -> bool:
+        """Whether a decode step of this many requests runs compiled."""
+        return self.max_requests is None or num_requests < self.max_requests
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             logits_indices: torch.Tensor) -> torch.Tensor:  # [num_requests, vocab] float32

@@ -358,6 +358,8 @@ class ModelRunner:
                 return logits
         input_ids, positions, meta, logits_indices = self.prepare(step)
         if self.compiled_decode is not None and intermediate is None and is_host_decode(step):
-            return self.compiled_decode.run(input_ids, positions, meta, logits_indices)
+            if self.compiled_decode.takes(len(step.token_ids)):
+                return self.compiled_decode.run(input_ids, positions, meta, logits_indices)
+            self.compiled_decode.dense_steps += 1
         self._fill_from_device(input_ids, step)
         return self.model(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices, intermediate)

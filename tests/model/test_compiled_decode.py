@@ -54,14 +54,18 @@ def test_compiled_decode_with_int4_matches_hf_with_the_same_layers(tiny_llama):
 
 
 def test_a_dense_copy_for_many_rows_does_not_split_the_graph(tiny_llama):
-    """With int4 layers multiplying densely from 4 rows on (eager steps), compiled decode steps of
-    1 to 12 requests still run in the two graphs compiled at start-up."""
+    """With int4 layers multiplying densely from 4 rows on, decode steps of 1 to 3 requests run in
+    the two graphs compiled at start-up, steps of 4 to 12 eagerly through the copy, no graph is
+    compiled after start-up, and the tokens are the eager engine's."""
     engine = compiled_engine(tiny_llama, quantization="int4", quantization_dense_rows=4)
     graphs = counters["stats"]["unique_graphs"]
     prompts, max_tokens = mixed_prompts(12, seed=8)
-    run_engine(engine, prompts, max_tokens)
-    assert engine.runner.compiled_decode.steps > 0
-    assert counters["stats"]["unique_graphs"] == graphs and engine.runner.compiled_decode.eager_steps == 0
+    got = run_engine(engine, prompts, max_tokens)
+    compiled = engine.runner.compiled_decode
+    assert compiled.max_requests == 4 and compiled.steps > 0 and compiled.dense_steps > 0
+    assert counters["stats"]["unique_graphs"] == graphs and compiled.eager_steps == 0
+    eager = LLMEngine(EngineConfig(model=str(tiny_llama), quantization="int4", quantization_dense_rows=4))
+    assert got == run_engine(eager, prompts, max_tokens)
 
 
 def test_a_step_that_fits_no_graph_runs_eagerly_instead_of_compiling(tiny_llama):
