@@ -11,8 +11,9 @@ position correction); prefill, chunked prefill and verification run eagerly. The
 with two dynamic sizes, the requests and the pages each reads, into two graphs, one request and
 several (torch specializes a size of 1), both compiled at start-up so that no request waits for
 the compiler; inductor keeps the compiled code on disk, so the next start is shorter. Quantized
-layers keep their packed kernels in the graphs, so a decode step of as many requests as a layer's
-dense copy takes (quantization_dense_rows) runs eagerly, through the copy. A step's
+layers keep their packed kernels in the graphs; where they also keep dense copies for many rows
+(quantization_dense_rows), decode steps from the number of requests at which the eager step
+measured faster at start-up run eagerly, through the copies. A step's
 block tables are padded to at least two pages (the padding masked), so that a short context never
 meets a size of 1. The warm-up's sizes are all different numbers: torch would take two sizes that
 are equal at tracing to be equal always.
@@ -28,11 +29,13 @@ import logging
 import torch
 
 from backend.model.attention import AttentionBackend, AttentionMetadata
+from backend.model.linear_tuner import rows_for_dense, time_call
 from backend.model.model import LlamaForCausalLM
 from backend.model.quantized_linear import WeightOnlyLinear
 from kernels.paged_attention import _attend_decode, plan_reference
 from kernels.rotary import rotary_tables, rotate
 
+TIMED_BATCHES = (4, 8, 16, 32, 64)  # decode steps timed compiled and eager at start-up (quantized)
 MIN_PAGES = 2  # block tables are padded to this many pages: a size of 1 would be a graph of its own
 
 log = logging.getLogger(__name__)
@@ -75,10 +78,11 @@ class CompiledDecode:
         self.steps = 0  # decode steps run compiled
         self.eager_steps = 0  # decode steps that would have compiled a new graph, run eagerly instead
         self.dense_steps = 0  # decode steps of max_requests or more, run eagerly (the runner counts)
-        # the graphs keep the packed weight-only kernels: from the fewest rows at which a quantized
-        # layer multiplies by its dense copy (set at load, before this) the eager step is faster
-        self.max_requests = min((m.dense_min_rows for m in model.modules()
-                                 if isinstance(m, WeightOnlyLinear) and m.dense_weight is not None), default=None)
+        # the graphs keep the packed weight-only kernels; where quantized layers keep dense copies
+        # (set at load, before this) warm_up times from how many requests the eager step is faster
+        self.has_dense = any(isinstance(m, WeightOnlyLinear) and m.dense_weight is not None for m in model.modules())
+        self.max_requests: int | None = None  # decode steps of this many requests or more run eagerly
+        self.timings: dict[int, tuple[float, float]] = {}  # requests -> (compiled, eager) seconds
 
     def takes(self, num_requests: int) -> bool:
         """Whether a decode step of this many requests runs compiled."""
@@ -111,21 +115,26 @@ class CompiledDecode:
         meta.reference_plan = plan_reference(meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                              k_cache.shape[1], k_cache.shape[0], min_pages=MIN_PAGES)
 
+    def _inputs(self, num_requests: int, pages: int, block_size: int):
+        """Throw-away decode inputs: num_requests requests each reading `pages` pages, whose K/V go
+        to slots 0 to num_requests - 1, which no request holds yet (this runs before the first)."""
+        rows = torch.arange(num_requests)
+        length = (pages - 1) * block_size + 1
+        meta = AttentionMetadata(
+            slot_mapping=rows.clone(), cu_seqlens_q=torch.arange(num_requests + 1, dtype=torch.int32),
+            seq_lens=torch.full((num_requests,), length, dtype=torch.int32),
+            block_tables=torch.zeros(num_requests, pages, dtype=torch.int32),
+            max_seqlen_q=1, max_seqlen_k=length)
+        self._plan(meta)
+        return rows, torch.full((num_requests,), length - 1), meta, rows.clone()
+
     @torch.inference_mode()
     def warm_up(self, block_size: int) -> None:
         """Compile both graphs now, on throw-away inputs (one request reading 3 pages, then 2
-        requests reading 4: no two dynamic sizes equal), whose K/V go to slots 0 and 1, which no
-        request holds yet (this runs before the first)."""
+        requests reading 4: no two dynamic sizes equal); then, where quantized layers keep dense
+        copies, time the compiled step against the eager one (`_time_against_eager`)."""
         for num_requests, pages in ((1, 3), (2, 4)):
-            rows = torch.arange(num_requests)
-            length = (pages - 1) * block_size + 1
-            meta = AttentionMetadata(
-                slot_mapping=rows.clone(), cu_seqlens_q=torch.arange(num_requests + 1, dtype=torch.int32),
-                seq_lens=torch.full((num_requests,), length, dtype=torch.int32),
-                block_tables=torch.zeros(num_requests, pages, dtype=torch.int32),
-                max_seqlen_q=1, max_seqlen_k=length)
-            positions, logits_indices = torch.full((num_requests,), length - 1), rows.clone()
-            self._plan(meta)
+            rows, positions, meta, logits_indices = self._inputs(num_requests, pages, block_size)
             short = meta.reference_plan.short
             # what the forward reads: [R] ids, positions, slots, logits rows; the plan's [R, pages]
             # tables, [R, 1, pages x block_size] mask and [R x pages] page ids
@@ -136,3 +145,25 @@ class CompiledDecode:
             for tensor, dim in dynamic:
                 torch._dynamo.mark_dynamic(tensor, dim)
             self.forward(rows, positions, self.kv_caches, self.attention, meta, logits_indices)
+        self._time_against_eager(block_size)
+
+    def _time_against_eager(self, block_size: int) -> None:
+        """Sets max_requests to the fewest requests of TIMED_BATCHES from which the eager step
+        (through the dense copies) was faster than the compiled one (packed kernels) at every count
+        timed (None: at none). A layer's own threshold is no guide: the eager step also pays for
+        the small operations the graph fuses (measured on the default model at 2 threads, served:
+        8 streams 226 tok/s compiled, 170 eager; 32 streams 289 compiled, 383 eager)."""
+        if not self.has_dense:
+            return
+        slots = self.kv_caches[0][0].shape[0] * block_size
+        self.timings = {}
+        for num_requests in TIMED_BATCHES:
+            if num_requests > slots:
+                break
+            rows, positions, meta, logits_indices = self._inputs(num_requests, 4, block_size)
+            compiled = time_call(lambda: self.forward(rows, positions, self.kv_caches, self.attention, meta,
+                                                      logits_indices), None, 3)
+            eager = time_call(lambda: self.model(rows, positions, self.kv_caches, self.attention, meta,
+                                                 logits_indices), None, 3)
+            self.timings[num_requests] = (compiled, eager)
+        self.max_requests = rows_for_dense(self.timings)

@@ -58,11 +58,15 @@ def test_a_dense_copy_for_many_rows_does_not_split_the_graph(tiny_llama):
     the two graphs compiled at start-up, steps of 4 to 12 eagerly through the copy, no graph is
     compiled after start-up, and the tokens are the eager engine's."""
     engine = compiled_engine(tiny_llama, quantization="int4", quantization_dense_rows=4)
+    compiled = engine.runner.compiled_decode
+    # timed at start-up: the fewest requests of those timed from which eager was faster (or none)
+    assert set(compiled.timings) == {4, 8, 16, 32, 64}
+    assert compiled.max_requests in (None, *compiled.timings)
+    compiled.max_requests = 4  # the rest of the test does not depend on this machine's timings
     graphs = counters["stats"]["unique_graphs"]
     prompts, max_tokens = mixed_prompts(12, seed=8)
     got = run_engine(engine, prompts, max_tokens)
-    compiled = engine.runner.compiled_decode
-    assert compiled.max_requests == 4 and compiled.steps > 0 and compiled.dense_steps > 0
+    assert compiled.steps > 0 and compiled.dense_steps > 0
     assert counters["stats"]["unique_graphs"] == graphs and compiled.eager_steps == 0
     eager = LLMEngine(EngineConfig(model=str(tiny_llama), quantization="int4", quantization_dense_rows=4))
     assert got == run_engine(eager, prompts, max_tokens)
