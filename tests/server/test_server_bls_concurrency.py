@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from client.stream import generate
+from client.stream import GenerationError, generate
 from tests.server.conftest import idle, start_test_server
 
 pytestmark = pytest.mark.server
@@ -153,4 +153,8 @@ def test_cancelling_streams_that_wait_for_their_turn_ends_them(server):
         server.grpc_url, "def main():", model="llm_bls", max_tokens=4, temperature=0,
         ignore_eos=True, return_finish_reason=True, timeout=60,
     )
-    assert list(chunks)[-1].finish_reason == "length"
+    try:
+        last = list(chunks)[-1]
+    except GenerationError as e:  # the server's log says where the request stopped
+        raise AssertionError(f"{e}; the server's log ends:\n{server.handle.log_tail()}") from e
+    assert last.finish_reason == "length"
