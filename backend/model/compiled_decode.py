@@ -13,10 +13,10 @@ several (torch specializes a size of 1), both compiled at start-up so that no re
 the compiler; inductor keeps the compiled code on disk, so the next start is shorter. Quantized
 layers keep their packed kernels in the graphs; where they also keep dense copies for many rows
 (quantization_dense_rows), decode steps from the number of requests at which the eager step
-measured faster at start-up run eagerly, through the copies. A step's
-block tables are padded to at least two pages (the padding masked), so that a short context never
-meets a size of 1. The warm-up's sizes are all different numbers: torch would take two sizes that
-are equal at tracing to be equal always.
+measured faster at start-up run eagerly, through the copies. A step's block tables are padded to
+at least two pages (the padding masked), so that a short context never meets a size of 1. The
+warm-up's sizes are all different numbers: torch would take two sizes that are equal at tracing to
+be equal always.
 
 `DecodeAttention` is TorchAttention's decode step written to trace as one graph: no host reads
 (the KV store's padding check, the plan made on the first layer) and no per-step state on self.
@@ -80,7 +80,6 @@ class CompiledDecode:
         self.dense_steps = 0  # decode steps of max_requests or more, run eagerly (the runner counts)
         # the graphs keep the packed weight-only kernels; where quantized layers keep dense copies
         # (set at load, before this) warm_up times from how many requests the eager step is faster
-        self.has_dense = any(isinstance(m, WeightOnlyLinear) and m.dense_weight is not None for m in model.modules())
         self.max_requests: int | None = None  # decode steps of this many requests or more run eagerly
         self.timings: dict[int, tuple[float, float]] = {}  # requests -> (compiled, eager) seconds
 
@@ -153,7 +152,7 @@ class CompiledDecode:
         timed (None: at none). A layer's own threshold is no guide: the eager step also pays for
         the small operations the graph fuses (measured on the default model at 2 threads, served:
         8 streams 226 tok/s compiled, 170 eager; 32 streams 289 compiled, 383 eager)."""
-        if not self.has_dense:
+        if not any(isinstance(m, WeightOnlyLinear) and m.dense_weight is not None for m in self.model.modules()):
             return
         slots = self.kv_caches[0][0].shape[0] * block_size
         self.timings = {}

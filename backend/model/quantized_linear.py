@@ -23,12 +23,14 @@ devices a layer multiplies by its dequantized weight (correct, no faster than th
 
 The packed kernels convert every weight to a float for every row of input, so their time grows
 with the rows: at a prefill's hundreds of rows a dense bfloat16 GEMM (AMX where the CPU has it)
-is several times faster (the copy kept in oneDNN's layout, `prepack`). A layer can keep a bfloat16 copy of its dequantized weight and use it from
-`dense_min_rows` rows of input on (`use_dense_from`; backend/model/linear_tuner.py times both per
-weight shape at load). Compiled decode steps keep the packed kernels: a branch on the row count
+is several times faster. A layer can keep a bfloat16 copy of its dequantized weight (in oneDNN's
+layout, `prepack`) and use it from `dense_min_rows` rows of input on (`use_dense_from`;
+backend/model/linear_tuner.py times both per weight shape at load). Compiled decode steps keep the packed kernels: a branch on the row count
 would split their graph in two.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +65,7 @@ def int8_row_scales(w: torch.Tensor) -> torch.Tensor:
     return best_scale
 
 
+@functools.cache  # asked on every dense product; the CPU does not change
 def onednn_bfloat16() -> bool:
     """Whether this CPU runs oneDNN's bfloat16 matmuls natively (AVX-512 with BF16, or AMX)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
