@@ -5,5 +5,6 @@ python-backend models (`model_repository/*/1/model.py` import their TritonPython
     preprocessing.py   the `preprocessing` model: preprocessor.py over request_inputs.py
     llm_engine.py      the decoupled `llm_engine` model around backend.EngineLoop, with
                        sender_lane.py (one stuck receiver blocks no other) and engine_metrics.py
-    llm_bls.py         the decoupled `llm_bls` model: preprocessing in-process, llm_engine over BLS
+    llm_bls.py         the decoupled `llm_bls` model: preprocessing in-process, llm_engine over
+                       engine_stream.py (a gRPC stream to the server's own endpoint)
 """

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from serving.engine_stream import GRPC_URL_VARIABLE
 from serving.runtime_directory import RUNTIME_DIR_VARIABLE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -281,6 +282,15 @@ def server_command(
     return cmd
 
 
+def _reachable(address: str) -> str:
+    """The address to connect to an endpoint bound to `address` from this host."""
+    return "127.0.0.1" if address in ANY_ADDRESS else address
+
+
+def _url(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def start_server(
     model_repository: str | Path = DEFAULT_MODEL_REPOSITORY,
     http_port: int = 8000,
@@ -318,7 +328,10 @@ def start_server(
         exit_timeout, admin_key, *addresses,
     )
     runtime_dir = Path(tempfile.mkdtemp(prefix="specserve-"))  # mode 0700, a name nobody can guess
-    env = server_environment(server) | {RUNTIME_DIR_VARIABLE: str(runtime_dir)} | (extra_env or {})
+    own = {  # llm_bls reaches llm_engine through the server's own gRPC endpoint
+        RUNTIME_DIR_VARIABLE: str(runtime_dir), GRPC_URL_VARIABLE: _url(_reachable(addresses[1]), grpc_port),
+    }
+    env = server_environment(server) | own | (extra_env or {})
     log_path = Path(log_file) if isinstance(log_file, (str, Path)) else None
     out = open(log_path, "ab") if log_path else log_file  # noqa: SIM115
     try:
@@ -328,7 +341,7 @@ def start_server(
     finally:
         if log_path:
             out.close()  # the child holds its own descriptor
-    reach = "127.0.0.1" if addresses[0] in ANY_ADDRESS else addresses[0]
+    reach = _reachable(addresses[0])
     handle = ServerHandle(process, http_port, grpc_port, metrics_port, host=reach, log_path=log_path,
                           admin_key=admin_key, runtime_dir=runtime_dir)
     deadline = time.monotonic() + ready_timeout

@@ -7,15 +7,14 @@ cancels through the abort channel to every llm_engine instance (serving/abort_ch
 `execute()` reads each request's inputs, hands them to a worker thread and returns None. The worker
 1. preprocesses them in-process with the `preprocessing` model's own code (a bad input ends the
    request with INVALID_ARG);
-2. sends llm_engine the request through BLS streaming, under a fresh Triton request id;
+2. sends llm_engine the request on a gRPC stream of its own to this server (serving/engine_stream.py
+   says why not through BLS), under a fresh Triton request id;
 3. relays each engine response to the client as it comes, the last one flagged COMPLETE_FINAL.
 A cancelled client request (checked between responses, and by the watcher thread while a response
-is awaited) gets an abort sent to llm_engine's instances, which free its KV blocks at once. The worker then
-drains the engine stream without relaying it and ends the client request with an empty final
-response. Every request ends with exactly one COMPLETE_FINAL.
-
-At most ENGINE_CALLS_AWAITING_FIRST_RESPONSE workers wait in step 2 at once (see there); the others
-wait their turn here, in arrival order, and can be cancelled while they wait.
+is awaited) gets an abort sent to llm_engine's instances, which free its KV blocks at once; the
+worker then closes the engine stream and ends the client request with an empty final response.
+Every request ends with exactly one COMPLETE_FINAL. (The model keeps its name, which clients use,
+from when it reached llm_engine through BLS.)
 """
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ import threading
 import time
 import traceback
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,24 +32,14 @@ import triton_python_backend_utils as pb_utils
 
 from backend.errors import INTERNAL_ERROR, SHUTTING_DOWN, UNAVAILABLE_ERRORS, ValidationError
 from serving.abort_channel import ENGINE_MODEL, abort_everywhere
+from serving.engine_stream import EngineStream, Interrupted, StreamError, engine_grpc_url
 from serving.preprocessor import Preprocessor, text_tensor
 from serving.request_inputs import triton_parameters
 
-ENGINE_OUTPUTS = [
-    "text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs", "cumulative_logprob", "error"
-]
 # How often each request is checked for cancellation (a round trip to the server each).
 POLL_INTERVAL_S = 0.05
 # How long finalize() waits for each worker; llm_engine ends the requests still in flight.
 FINALIZE_TIMEOUT_S = 30.0
-# The python backend runs every BLS exec() of this model on a thread pool in the server process
-# (the backend option thread-pool-size, default 32), which also carries every response this model
-# sends to its clients. With decoupled=True, exec() holds its pool thread until the engine's first
-# response, which for a request queued in the engine (past max_num_seqs) comes only when a running
-# request finishes. With 32 requests so queued, no client got a response until then. So at most
-# this many exec() calls wait at once, leaving the rest of the pool for responses and aborts; keep
-# it well below thread-pool-size.
-ENGINE_CALLS_AWAITING_FIRST_RESPONSE = 16
 
 
 @dataclass(slots=True)
@@ -61,6 +49,7 @@ class Relay:
     sender: object  # the client's pb_utils.InferenceResponseSender
     engine_request_id: str  # the Triton request id of the forwarded request; aborts name it
     abort_key: str = field(default_factory=lambda: secrets.token_hex(16))  # and prove they come from here
+    stream: EngineStream | None = None  # the engine request's stream, once sent
     next_check: float = 0.0  # time.monotonic() of the next is_cancelled() check
     aborted: bool = False  # an abort went to llm_engine; nothing more is relayed
     finished: bool = False  # the client has had its COMPLETE_FINAL
@@ -80,6 +69,8 @@ class TritonPythonModel:
         repository = Path(args["model_repository"]).parent  # args name the model's own directory
         self.preprocessor = Preprocessor.from_parameters(parameters, repository)
         self.input_names = [i["name"] for i in model_config["input"]]
+        self.output_names = {o["name"] for o in model_config["output"]}
+        self.engine_url = engine_grpc_url(parameters.get("engine_grpc_url", ""))
         # one request at a time: an HF fast tokenizer used from several threads at once may
         # raise "Already borrowed"
         self.preprocess_lock = threading.Lock()
@@ -87,12 +78,11 @@ class TritonPythonModel:
         self.relays: dict[str, Relay] = {}  # engine request id -> relay, until its worker ends
         self.workers: set[threading.Thread] = set()
         self.stopping = threading.Event()
-        self.engine_calls = Turnstile(ENGINE_CALLS_AWAITING_FIRST_RESPONSE)
         self.watcher = threading.Thread(target=self._watch, name="llm-watcher", daemon=True)
         self.watcher.start()
         pb_utils.Logger.log_info(
             f"llm: tokenizer {self.preprocessor.tokenizer_dir}, "
-            f"max_model_len {self.preprocessor.max_model_len}, forwarding to {ENGINE_MODEL}"
+            f"max_model_len {self.preprocessor.max_model_len}, forwarding to {ENGINE_MODEL} at {self.engine_url}"
         )
 
     # -- Triton's thread: hand off, never block ---------------------------------------------------
@@ -144,51 +134,57 @@ class TritonPythonModel:
         keep_finish_reason = request.options.return_finish_reason
         request.options.return_finish_reason = True  # a finish reason marks the last response
         self._check_cancelled(relay)
-        engine_request = pb_utils.InferenceRequest(
-            model_name=ENGINE_MODEL,
-            # errors in band: the python backend never hands this model an error response that
-            # follows another response from llm_engine (the stream would never end)
-            inputs=[pb_utils.Tensor(n, a) for n, a in request.engine_inputs(in_band_errors=True).items()]
-            + [pb_utils.Tensor("abort_key", text_tensor(relay.abort_key))],
-            requested_output_names=ENGINE_OUTPUTS,
-            request_id=relay.engine_request_id,
-        )
-        if self._wait_for_turn(relay):
-            try:
-                responses = engine_request.exec(decoupled=True)  # returns at the first response
-            finally:
-                self.engine_calls.leave()
-            for response in responses:
+        if relay.aborted:
+            self._finish(relay)
+            return
+        # errors in band: an error on a gRPC stream comes without its Triton code, which the
+        # error's text stands for (UNAVAILABLE_ERRORS)
+        inputs = request.engine_inputs(in_band_errors=True) | {"abort_key": text_tensor(relay.abort_key)}
+        try:
+            stream = EngineStream(self.engine_url, ENGINE_MODEL, relay.engine_request_id, inputs)
+        except StreamError as e:
+            pb_utils.Logger.log_error(f"llm: request {relay.engine_request_id}: {e}")
+            self._finish(relay, _error_response(str(e), pb_utils.TritonError.UNAVAILABLE))
+            return
+        with relay.lock:
+            relay.stream = stream
+            aborted = relay.aborted  # an abort before this point could not interrupt the stream
+        try:
+            while not (aborted or stream.finished):
+                try:
+                    outputs, last = stream.next()
+                except Interrupted:  # aborted, or the model is being unloaded
+                    break
+                except StreamError as e:
+                    code = pb_utils.TritonError.UNAVAILABLE if str(e) in UNAVAILABLE_ERRORS else None
+                    self._finish(relay, _error_response(str(e), code))
+                    break
                 self._check_cancelled(relay)
-                self._relay(relay, response, keep_finish_reason)
+                aborted = relay.aborted
+                if not aborted:
+                    self._relay(relay, outputs, last, keep_finish_reason)
+        finally:
+            stream.close()  # cancels the engine request if it has not ended
+        if self.stopping.is_set() and not relay.aborted:
+            self._finish(relay, _shutting_down())
         self._finish(relay)  # no-op if the engine's last response was relayed
 
-    def _wait_for_turn(self, relay: Relay) -> bool:
-        """Enter self.engine_calls (True), or give up: the request was cancelled (False; the
-        caller ends it) or the model is being unloaded (False, and the request ends here)."""
-        if self.engine_calls.enter(lambda: relay.aborted or self.stopping.is_set()):
-            return True
-        if not relay.aborted:
-            self._finish(relay, _shutting_down())
-        return False
-
-    def _relay(self, relay: Relay, response, keep_finish_reason: bool) -> None:
-        if relay.aborted or relay.finished:
-            return  # draining
-        if response.has_error():
-            self._finish(relay, pb_utils.InferenceResponse(error=response.error()))
+    def _relay(self, relay: Relay, outputs: dict[str, np.ndarray], last: bool, keep_finish_reason: bool) -> None:
+        if relay.finished:
             return
-        tensors = response.output_tensors()
-        if not tensors:
-            return  # the engine's empty final response
-        error = _text(tensors, "error")
+        error = _text(outputs, "error")
         if error:
             code = pb_utils.TritonError.UNAVAILABLE if error in UNAVAILABLE_ERRORS else None
             self._finish(relay, _error_response(error, code))
             return
-        last = _text(tensors, "finish_reason") not in ("", "None")  # "None": not the last yet
+        last = last or _text(outputs, "finish_reason") not in ("", "None")  # "None": not the last yet
         if not keep_finish_reason:
-            tensors = [t for t in tensors if t.name() != "finish_reason"]
+            outputs.pop("finish_reason", None)
+        tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items() if name in self.output_names]
+        if not tensors:
+            if last:
+                self._finish(relay)  # the engine's empty final response
+            return
         response = pb_utils.InferenceResponse(output_tensors=tensors)
         if last:
             self._finish(relay, response)
@@ -231,11 +227,14 @@ class TritonPythonModel:
 
     def _abort(self, relay: Relay) -> None:
         """Have llm_engine abort the forwarded request (or, if it has not arrived yet, abort it
-        on arrival); its stream then ends with an empty final response."""
+        on arrival), and stop the worker's wait for its next response."""
         with relay.lock:
             if relay.aborted:
                 return
             relay.aborted = True
+            stream = relay.stream
+        if stream is not None:
+            stream.interrupt()  # the worker stops waiting for the engine's next response
         if not abort_everywhere(ENGINE_MODEL, relay.engine_request_id, relay.abort_key):
             pb_utils.Logger.log_error(f"llm: no {ENGINE_MODEL} instance took the abort of {relay.engine_request_id}")
 
@@ -243,6 +242,10 @@ class TritonPythonModel:
         """Stop the watcher, wait for the workers; a request still open ends with UNAVAILABLE."""
         self.stopping.set()
         self.watcher.join()
+        with self.lock:
+            streams = [relay.stream for relay in self.relays.values() if relay.stream is not None]
+        for stream in streams:
+            stream.interrupt()
         with self.lock:
             workers = list(self.workers)
         for worker in workers:
@@ -253,42 +256,11 @@ class TritonPythonModel:
             self._finish(relay, _shutting_down())
 
 
-class Turnstile:
-    """At most `limit` threads inside at once, let in in arrival order. A waiting thread checks
-    `give_up()` every POLL_INTERVAL_S and leaves the queue when it returns true."""
-
-    def __init__(self, limit: int):
-        self.free = limit
-        self.queue: deque = deque()  # one ticket per waiting thread, oldest first
-        self.changed = threading.Condition()
-
-    def enter(self, give_up) -> bool:
-        ticket = object()
-        with self.changed:
-            self.queue.append(ticket)
-            try:
-                while self.queue[0] is not ticket or self.free == 0:
-                    if give_up():
-                        return False
-                    self.changed.wait(POLL_INTERVAL_S)
-                self.free -= 1
-                return True
-            finally:
-                self.queue.remove(ticket)
-                self.changed.notify_all()  # the next in line may go
-
-    def leave(self) -> None:
-        with self.changed:
-            self.free += 1
-            self.changed.notify_all()
-
-
-def _text(tensors: list, name: str) -> str:
-    for tensor in tensors:
-        if tensor.name() == name:
-            value = tensor.as_numpy().reshape(-1)
-            return value[0].decode("utf-8") if value.size else ""
-    return ""
+def _text(outputs: dict[str, np.ndarray], name: str) -> str:
+    value = outputs.get(name)
+    if value is None or not value.size:
+        return ""
+    return value.reshape(-1)[0].decode("utf-8")
 
 
 def _error_response(message: str, code=None):

@@ -13,7 +13,8 @@ errors and cancellations included (an abandoned request's receiver cannot take i
 A request whose request_options set `in_band_errors` (llm_bls sets it) gets an error that ends it
 after its first response as a last response with finish_reason "error" and an `error` output:
 tritonserver 2.51's python backend never hands a BLS caller an error response that follows another
-response (the caller waits for ever). An error as the first response reaches it.
+response (the caller waits for ever), and a gRPC stream's error carries no Triton code, which the
+error's text (backend/errors.py) then stands for. An error as the first response reaches it.
 
 A request carrying `abort_request_id` is a control request: it aborts the requests in flight that
 were sent with that Triton request id and the same `abort_key` (serving/abort_key.py: only the

@@ -30,7 +30,7 @@ class PreprocessedRequest:
 
     def engine_inputs(self, in_band_errors: bool = False) -> dict[str, np.ndarray]:
         """The inputs of llm_engine, by name. `in_band_errors`: llm_engine ends the request with
-        an `error` output instead of an error response (what a BLS caller needs, see llm_bls)."""
+        an `error` output instead of an error response (what llm_bls asks for, see llm_engine)."""
         options = json.loads(self.options.to_json()) | ({"in_band_errors": True} if in_band_errors else {})
         return {
             "input_ids": np.asarray(self.input_ids, dtype=np.int32),

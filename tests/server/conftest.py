@@ -135,11 +135,14 @@ def _repository_with_parameters(root: Path, parameters: dict[str, str], engine_c
 
 def start_test_server(root: Path, fault_injection: str, parameters: dict[str, str] | None = None,
                       engine_config: str = "", model_dir: Path = TEST_MODEL,
-                      variants: dict[str, dict[str, str]] | None = None) -> Server:
+                      variants: dict[str, dict[str, str]] | None = None, extra_models: tuple[Path, ...] = ()) -> Server:
     """tritonserver on free ports over `model_dir` (the tiny test pair's target unless asked), its
     log in `root`; `parameters` set some of llm_engine's, `engine_config` replaces its
-    instance_group line; `variants` adds `llm_<name>` over an llm_engine with those parameters."""
+    instance_group line; `variants` adds `llm_<name>` over an llm_engine with those parameters;
+    `extra_models` are model directories copied into the repository beside the others."""
     repository = _repository_with_parameters(root, parameters or {}, engine_config, model_dir)
+    for model in extra_models:
+        shutil.copytree(model, repository / model.name, ignore=shutil.ignore_patterns("__pycache__"))
     for suffix, changed in (variants or {}).items():
         add_variant(repository, suffix, changed)
     handle = start_server(

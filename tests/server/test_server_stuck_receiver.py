@@ -1,42 +1,50 @@
 """A receiver that stops taking responses stalls no one else's, through a real tritonserver.
 
 llm_engine sends its responses with `InferenceResponseSender.send()`, which waits (no timeout)
-until the server has handed the response to its receiver. When the receiver is a BLS caller
-(llm_bls), from the second response on the server puts the response on the caller's stub message
-queue and waits until that stub has taken it. Here llm_bls's stub process is frozen (SIGSTOP) in
-the middle of a long stream; healthy clients of the `llm` ensemble must still get their streams
-meanwhile, and once the stub runs again (SIGCONT) the llm_bls stream must end (however the
-server chose to end it) and the engine come back to idle with every KV block free. Once briefly,
-once for longer than llm_engine waits on one send before it gives that receiver up. The stub is
-frozen, so these tests have a server of their own.
+until the server has handed the response to its receiver. When the receiver is a BLS caller, from
+the second response on the server puts the response on the caller's stub message queue and waits
+until that stub has taken it. The caller here is `bls_relay` (tests/server/bls_relay, a test-only
+model that forwards llm_engine's inputs through decoupled BLS), whose stub process is frozen
+(SIGSTOP) in the middle of a long stream; healthy clients of the `llm` ensemble must still get
+their streams meanwhile, and once the stub runs again (SIGCONT) the relayed stream must end
+(however the server chose to end it) and the engine come back to idle with every KV block free.
+Once briefly, once for longer than llm_engine waits on one send before it gives that receiver up.
+The stub is frozen, so these tests have a server of their own.
 """
 from __future__ import annotations
 
+import json
 import signal
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
 from backend.errors import INTERNAL_ERROR
-from client.stream import GenerationError, generate
+from client.stream import generate
+from serving.engine_stream import EngineStream, StreamError
 from tests.server.conftest import idle, start_test_server
+
+RELAY = Path(__file__).parent / "bls_relay"
 
 pytestmark = pytest.mark.server
 
 BLS_MAX_TOKENS = 1500  # long enough to still be running when its stub is frozen
-BLS_RESPONSE_TIMEOUT_S = 30.0  # once the stub runs again, each llm_bls response comes within this
+BLS_RESPONSE_TIMEOUT_S = 30.0  # once the stub runs again, each relayed response comes within this
 HEALTHY_MAX_TOKENS = 32
-# what a healthy request may take while llm_bls is frozen; alone it takes well under 2 s
+# what a healthy request may take while bls_relay is frozen; alone it takes well under 2 s
 HEALTHY_BOUND_S = 30.0
 LONG_FREEZE_S = 13.0  # past llm_engine's SEND_TIMEOUT_S (10 s)
 
 
 @pytest.fixture(scope="module")
 def stuck_server(tmp_path_factory):
-    server = start_test_server(tmp_path_factory.mktemp("stuck"), "")
+    server = start_test_server(tmp_path_factory.mktemp("stuck"), "", extra_models=(RELAY,))
     yield server
     server.handle.stop()
 
@@ -65,14 +73,21 @@ def _healthy_request(server) -> tuple[float, int | None]:
     return time.monotonic() - start, sum(c.num_output_tokens for c in chunks)
 
 
-def _bls_stream_started(server):
-    """A long llm_bls stream that has relayed a few chunks."""
-    bls = generate(
-        server.grpc_url, "Once upon a time", model="llm_bls", max_tokens=BLS_MAX_TOKENS, ignore_eos=True,
-        temperature=0, return_finish_reason=True, timeout=BLS_RESPONSE_TIMEOUT_S,
-    )
+def _bls_stream_started(server) -> EngineStream:
+    """A long greedy stream through bls_relay that has relayed a few chunks."""
+    from transformers import AutoTokenizer
+
+    prompt_ids = AutoTokenizer.from_pretrained(server.model_dir)("Once upon a time")["input_ids"]
+    params = {"max_tokens": BLS_MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    options = {"stream": True, "return_finish_reason": True, "in_band_errors": True}
+    bls = EngineStream(server.grpc_url, "bls_relay", uuid.uuid4().hex, {
+        "input_ids": np.array(prompt_ids, dtype=np.int32),
+        "sampling_params": np.array([json.dumps(params).encode()], dtype=np.object_),
+        "request_options": np.array([json.dumps(options).encode()], dtype=np.object_),
+    })
     for _ in range(3):
-        assert not next(bls).final
+        _, last = bls.next(timeout=BLS_RESPONSE_TIMEOUT_S)
+        assert not last
     return bls
 
 
@@ -104,7 +119,7 @@ def _healthy_requests_while_frozen(server, stub: psutil.Process, num_requests: i
         late = sum(1 for future in healthy if future.result()[0] >= HEALTHY_BOUND_S)
         pytest.fail(
             f"{late} of {num_requests} `llm` streams got no end within {HEALTHY_BOUND_S:.0f} s while "
-            f"llm_bls's stub was stopped; they ended {time.monotonic() - stalled:.2f} s after it was "
+            f"bls_relay's stub was stopped; they ended {time.monotonic() - stalled:.2f} s after it was "
             "continued: llm_engine's responses wait behind one its frozen receiver does not take"
         )
     results = [future.result() for future in healthy]
@@ -112,24 +127,33 @@ def _healthy_requests_while_frozen(server, stub: psutil.Process, num_requests: i
     return [took for took, _ in results]
 
 
-def _ending(bls) -> str:
-    """How the llm_bls stream ends: its finish reason, or the error it ends with."""
-    ending = "no final response"
-    try:
-        for chunk in bls:
-            if chunk.final:
-                ending = chunk.finish_reason or "final"
-    except GenerationError as e:
-        ending = f"error: {e}"
-    return ending
+def _ending(bls: EngineStream) -> str:
+    """How the relayed stream ends: its finish reason, or the error it ends with."""
+    while True:
+        try:
+            outputs, last = bls.next(timeout=BLS_RESPONSE_TIMEOUT_S)
+        except StreamError as e:
+            return f"error: {e}"
+        error = _text(outputs, "error")
+        if error:
+            return f"error: {error}"
+        reason = _text(outputs, "finish_reason")
+        if reason not in ("", "None"):
+            return reason
+        if last:
+            return "final"
+
+
+def _text(outputs: dict, name: str) -> str:
+    value = outputs.get(name)
+    return value.reshape(-1)[0].decode() if value is not None and value.size else ""
 
 
 def _assert_ended(ending: str) -> None:
     assert not ending.startswith("error: no response within"), (
-        f"the llm_bls stream got no response for {BLS_RESPONSE_TIMEOUT_S:.0f} s after its stub was "
+        f"the relayed stream got no response for {BLS_RESPONSE_TIMEOUT_S:.0f} s after its stub was "
         "continued: it never ends"
     )
-    assert ending != "no final response"
 
 
 def test_a_frozen_bls_receiver_stalls_no_other_stream(stuck_server):
@@ -141,7 +165,7 @@ def test_a_frozen_bls_receiver_stalls_no_other_stream(stuck_server):
 
     bls = _bls_stream_started(server)
     try:
-        stub = _stub_process(server, "llm_bls")
+        stub = _stub_process(server, "bls_relay")
         [took] = _healthy_requests_while_frozen(server, stub, 1, hold_s=0.0)
         assert took < HEALTHY_BOUND_S
         _assert_ended(_ending(bls))
@@ -156,13 +180,13 @@ def test_a_frozen_bls_receiver_stalls_no_other_stream(stuck_server):
 def test_a_receiver_frozen_for_long_still_has_its_stream_ended(stuck_server):
     """Frozen for longer than llm_engine waits on one send (SEND_TIMEOUT_S, 10 s), beside several
     healthy streams (one of them shares the frozen request's sender lane until the lane is
-    replaced): every healthy stream ends in time, and once the stub runs again the llm_bls stream
+    replaced): every healthy stream ends in time, and once the stub runs again the relayed stream
     ends too, with an internal error (the engine gave it up)."""
     server = stuck_server
     server.wait_for_metrics(idle)
     bls = _bls_stream_started(server)
     try:
-        stub = _stub_process(server, "llm_bls")
+        stub = _stub_process(server, "bls_relay")
         took = _healthy_requests_while_frozen(server, stub, 4, hold_s=LONG_FREEZE_S)
         assert max(took) < HEALTHY_BOUND_S
         ending = _ending(bls)
