@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import socket
 import statistics
 import sys
 import tempfile
@@ -19,15 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server  # noqa: E402
 from serving.preprocessor import Preprocessor  # noqa: E402
 from client.stream import GenerationError, complete  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def small_latency(url: str, model: str, n: int) -> list[float]:
@@ -77,8 +70,8 @@ def main() -> None:
     if url is None:
         log = Path(tempfile.mkdtemp()) / "tritonserver.log"
         handle = start_server(
-            DEFAULT_MODEL_REPOSITORY, http_port=_free_port(), grpc_port=_free_port(),
-            metrics_port=_free_port(), log_file=log,
+            DEFAULT_MODEL_REPOSITORY, http_port=free_port(), grpc_port=free_port(),
+            metrics_port=free_port(), log_file=log,
         )
         url = handle.grpc_url
     try:

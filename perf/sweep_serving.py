@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server  # noqa: E402
 from perf.bench_serving import RESULTS_DIR, add_load_arguments, load_prompts, requests_for, run_benchmark  # noqa: E402
 from perf.serving_metrics import saturation_rate, sustainable_rate  # noqa: E402
 
@@ -98,12 +97,6 @@ def add_variant(repository: Path, suffix: str, parameters: dict[str, str]) -> No
             shutil.copy(source, repository / f"llm_engine_{suffix}" / "1" / source.name)
         elif source.is_dir() and not (repository / f"llm_engine_{suffix}" / "1" / source.name).exists():
             (repository / f"llm_engine_{suffix}" / "1" / source.name).symlink_to(source.resolve(), target_is_directory=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_and_measure(name: str, args, prompts: list[str], workdir: Path) -> tuple[list[dict], dict]:

@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -280,6 +281,27 @@ def server_command(
     if server.backend_directory is not None:
         cmd.append(f"--backend-directory={server.backend_directory}")
     return cmd
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, taken below the kernel's range of ephemeral ports: a port
+    from bind(0) comes from that range, where any outgoing connection (a readiness poll) may take
+    it as its local port before the server binds it, and tritonserver then starts without that
+    endpoint."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    first = max(1024, low - 12000)
+    for _ in range(100):
+        port = first + secrets.randbelow(low - first)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise LaunchError(f"no free port between {first} and {low}")
 
 
 def _reachable(address: str) -> str:

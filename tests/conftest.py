@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -13,6 +12,7 @@ if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under the
 import pytest  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from serving.launcher import free_port  # noqa: F401 (tests import it from here)
 
 TINY_VOCAB = 256 + 3  # bytes plus <s>, </s>, <pad>
 
@@ -28,13 +28,6 @@ def _byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
-
-
-def free_port() -> int:
-    """A TCP port nothing on this host listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:

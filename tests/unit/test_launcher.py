@@ -97,3 +97,19 @@ def test_test_only_faults_and_the_admin_key_are_not_inherited(monkeypatch):
     monkeypatch.setenv("SPECSERVE_ADMIN_KEY", "s3cret")
     env = launcher.server_environment(launcher.Tritonserver(Path("/bin/true"), None))
     assert "SPECSERVE_FAULT_INJECTION" not in env and "SPECSERVE_ADMIN_KEY" not in env
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_free():
+    """An outgoing connection takes its local port from the ephemeral range; a server's port from
+    there could be taken before the server binds it."""
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {launcher.free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # an outgoing connection's kind of port
+        assert sock.getsockname()[1] >= low
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # nothing listens there
