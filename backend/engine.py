@@ -23,6 +23,7 @@ Not thread-safe: backend.engine_loop.EngineLoop drives it from one thread.
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 from dataclasses import dataclass
 
@@ -247,6 +248,10 @@ class LLMEngine:
 
     def _num_blocks_for_budget(self, bytes_per_block: int) -> int:
         if self.device.type == "cuda":
+            # memory an engine made before this one in the process held counts as free once that
+            # engine is gone: collected, and handed back by the allocator's cache
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * self.config.gpu_memory_utilization) - (total - free)
         else:

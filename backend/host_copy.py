@@ -12,13 +12,12 @@ class HostCopy:
 
     def __init__(self, *tensors: torch.Tensor, waits: HostWaits):
         self.waits = waits
-        self.ready: torch.cuda.Event | None = None
         self.host = list(tensors)
-        if any(t.is_cuda for t in tensors):
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if device.type == "cuda":
             self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                          for t in tensors]
-            self.ready = torch.cuda.Event()
-            self.ready.record()
+        self.ready = waits.mark(device)
         self.landed = False
         self._values: list[list] | None = None
 
@@ -26,7 +25,7 @@ class HostCopy:
         """The host tensors, once the copies have landed."""
         if not self.landed:
             self.waits.wait(self.ready)
-            self.ready, self.landed = None, True
+            self.landed = True
         return self.host
 
     def values(self) -> list[list]:

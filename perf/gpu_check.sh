@@ -5,9 +5,9 @@
 # small-batch linear bandwidth, end to end vs HF, host work per step.
 # Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [tests] [model] [multigpu] [steps]
 #   [bandwidth] [e2e] [host]
-# (no arguments: all). The engine needs msgspec: a machine without it takes the wheel from .gpu/
-# (python3 -m pip download msgspec --only-binary=:all: --python-version 3.12 --implementation cp
-#  --platform manylinux_2_17_x86_64 -d .gpu), as the bundle's other wheels.
+# (no arguments: all; sections run in the order named). The engine's own dependencies (msgspec,
+# pyzmq, xgrammar, tritonclient, ...) travel as wheels: `bash perf/gpu_wheels.sh` here, carry .gpuw,
+# and there install them first (the header of gpu_wheels.sh has the line).
 set -u
 OUT=${OUT:-perf/results/gpu}
 STEPS=${*:-tests model multigpu steps bandwidth e2e host}
@@ -16,28 +16,27 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-$PY -c "import msgspec" 2>/dev/null || $PY -m pip install -q --no-index --find-links .gpu msgspec 2>&1 | tail -2
-if [[ $STEPS == *tests* ]]; then
+tests() {
   echo "== kernel tests (native CUDA)"
-  timeout 170 $PY -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/kernel_tests.txt"
-fi
-if [[ $STEPS == *model* ]]; then
+  timeout 90 $PY -m pytest tests/kernels -q -p no:cacheprovider --timeout 60 2>&1 | tee "$OUT/kernel_tests.txt" | tail -15
+}
+model() {
   echo "== model tests on CUDA (engine == HF, overlapped == plain, speculation with overlap, the step path)"
-  timeout 240 $PY -m pytest tests/model/test_gpu_path.py tests/model/test_engine_vs_hf.py tests/model/test_overlapped_steps.py \
-    tests/model/test_speculative.py -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/model_tests.txt"
+  timeout 150 $PY -m pytest tests/model/test_gpu_path.py tests/model/test_engine_vs_hf.py tests/model/test_overlapped_steps.py \
+    tests/model/test_speculative.py -q --timeout 60 -p no:cacheprovider 2>&1 | tee "$OUT/model_tests.txt" | tail -30
   echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/model_tests.txt"
-fi
-if [[ $STEPS == *multigpu* ]]; then
+}
+multigpu() {
   echo "== tensor parallelism on one GPU: NCCL world of one in CUDA graphs == unsharded; TP=2 on one GPU (gloo, CUDA tensors)"
-  timeout 170 $PY -m pytest tests/model/test_cuda_parallel.py -q -p no:cacheprovider 2>&1 | tail -20 | tee "$OUT/multigpu.txt"
+  timeout 100 $PY -m pytest tests/model/test_cuda_parallel.py -q --timeout 60 -p no:cacheprovider 2>&1 | tail -20 | tee "$OUT/multigpu.txt"
   echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/multigpu.txt"
-fi
-if [[ $STEPS == *steps* ]]; then
+}
+steps() {
   echo "== the step path, Llama-3.2-1B shape, bf16: graph replays and host waits per step"
-  timeout 150 $PY perf/bench_step_path.py --shape 1b --batch-sizes 1 8 64 --json "$OUT/step_path.json" 2>&1 \
+  timeout 100 $PY perf/bench_step_path.py --shape 1b --batch-sizes 1 64 --json "$OUT/step_path.json" 2>&1 \
     | grep -v -E "Loading|Writing" | tail -16 | tee "$OUT/step_path.txt"
-fi
-if [[ $STEPS == *bandwidth* ]]; then
+}
+bandwidth() {
   echo "== decode attention bandwidth"
   timeout 90 $PY perf/bench_kernels.py --num-splits 1 2 4 2>&1 | tail -25 | tee "$OUT/bench_kernels.txt"
   echo "== decode attention at the end-to-end shape (1B: head_dim 64, batch 128, contexts 128-1024)"
@@ -48,12 +47,16 @@ if [[ $STEPS == *bandwidth* ]]; then
     | tee -a "$OUT/bench_kernels.txt"
   echo "== small-batch linears: cuBLAS vs the Triton gemv kernel at the 1B shapes, tile sweep"
   timeout 120 $PY perf/bench_gemv.py --block-n 16 32 64 --block-k 128 256 512 2>&1 | tail -30 | tee "$OUT/bench_gemv.txt"
-fi
-if [[ $STEPS == *e2e* ]]; then
+}
+e2e() {
   echo "== end to end, Llama-3.2-1B shape, bf16"
-  timeout 280 $PY perf/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | grep -v -E "Loading|Writing" | tail -40 | tee "$OUT/bench_gpu.txt"
-fi
-if [[ $STEPS == *host* ]]; then
+  timeout 220 $PY perf/bench_gpu.py --hf-requests 32 --json "$OUT/bench_gpu.json" 2>&1 | grep -v -E "Loading|Writing" | tee "$OUT/bench_gpu.txt" | tail -40
+}
+host() {
   echo "== host work per decode step (tiny model, forward timed apart)"
   timeout 120 $PY perf/bench_host.py --batch-sizes 1 64 256 2>&1 | tail -12 | tee "$OUT/bench_host.txt"
-fi
+}
+for section in $STEPS; do
+  echo "== section $section, $(date +%T)"
+  $section
+done

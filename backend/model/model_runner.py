@@ -212,19 +212,20 @@ class ModelRunner:
     def capture_graphs(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
         """Capture one graph per batch-size bucket and tokens per request (CUDA only)."""
         self.init_graph_io(max_batch_size, max_model_len, query_lens)
-        dev = self.device
         pool = None
         for q, batch_sizes in self.graph_sizes.items():
             for b in sorted(batch_sizes, reverse=True):  # biggest first: smaller graphs reuse its pool
-                self.graph_forward_static(b, q)  # warm-up: compiles kernels outside the capture
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.graph_forward_static(b, q)
-                pool = graph.pool()
-                self.graph_io[f"logits_{b}_{q}"] = logits
-                self.graphs[(b, q)] = graph
-        torch.cuda.synchronize(dev)
+                self.graphs[(b, q)], self.graph_io[f"logits_{b}_{q}"], pool = self.capture_graph(b, q, pool)
+
+    def capture_graph(self, b: int, q: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
+        """The graph of `b` rows of `q` tokens, the logits it writes, and its memory pool."""
+        self.graph_forward_static(b, q)  # warm-up: compiles kernels outside the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.graph_forward_static(b, q)
+        torch.cuda.synchronize(self.device)
+        return graph, logits, graph.pool()
 
     def graph_forward_static(self, b: int, q: int) -> torch.Tensor:  # [b * q, vocab] float32
         """The forward a graph of `b` rows and `q` tokens each replays, from the static inputs

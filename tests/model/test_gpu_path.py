@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from backend import engine as engine_module
 from backend import engine_loop
 from backend.model.attention import TorchAttention
 from backend.config import EngineConfig
@@ -22,6 +23,26 @@ from backend.sampling_params import SamplingParams
 
 BACKEND = Path(__file__).resolve().parents[2] / "backend"
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+class StaticForward:
+    """A captured graph's stand-in on a CPU: its replay runs the forward the graph captured (from
+    the static inputs) into the graph's logits."""
+
+    def __init__(self, runner: ModelRunner, b: int, q: int):
+        self.runner, self.b, self.q = runner, b, q
+
+    def replay(self) -> None:
+        self.runner.graph_io[f"logits_{self.b}_{self.q}"] = self.runner.graph_forward_static(self.b, self.q)
+
+
+@pytest.fixture
+def graphs_on_cpu(monkeypatch):
+    """Engines made in the test take the CUDA step path: the graphs CUDA would capture (each a
+    StaticForward), their inputs staged and uploaded each step, the waits that costs counted."""
+    monkeypatch.setattr(engine_module, "target_graph_query_lens", lambda config, *_: (
+        (1,) if config.speculative_method == "none" else (1, config.num_speculative_tokens + 1)))
+    monkeypatch.setattr(ModelRunner, "capture_graph", lambda runner, b, q, pool: (StaticForward(runner, b, q), None, None))
 
 
 def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[int]:
@@ -36,24 +57,30 @@ def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams 
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_plain_decoding_waits_once_per_step(tiny_llama, overlap):
+def test_plain_decoding_waits_once_per_step(tiny_llama, graphs_on_cpu, overlap):
     """Overlapped: the first step (a prefill, sampled) reads nothing back; every later one reads
-    the step before it, once. Plain: every step reads its own tokens, once."""
+    the step before it, once. Plain: every step reads its own tokens, once. Decode steps replay
+    graphs, whose staged inputs cost no wait of their own (before, on CUDA, every step waited
+    for the last upload too: 2 waits a step)."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), async_scheduling=overlap))
     waits = _decode(engine, [[5, 6, 7, 8], [9, 10, 11]])
     assert waits == ([0] if overlap else [1]) + [1] * (len(waits) - 1)
     assert len(waits) == 12 + overlap  # overlapped: the last tokens are read back one step later
+    assert engine.stats().graph_replays_total == 11  # every step after the prefill
 
 
-def test_speculation_with_overlapped_steps_waits_at_most_twice_per_step(tiny_llama):
+def test_speculation_with_overlapped_steps_waits_at_most_twice_per_step(tiny_llama, graphs_on_cpu):
     """The read-back of the step before, and the host copy of drafts proposed from its tokens
-    while they were still on the device: never once per draft forward."""
+    while they were still on the device: never once per draft forward (before, on CUDA, each
+    draft forward waited for the upload of the one before it: 6 waits a step at k = 3)."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), speculative_method="draft", draft_model=str(tiny_llama),
                                     num_speculative_tokens=3, adaptive_speculation=False, async_scheduling=True))
     waits = _decode(engine, [[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_tokens=24, temperature=0.0,
                                                                        ignore_eos=True))
     assert max(waits) == 2 and waits.count(2) >= 3
     assert engine.stats().spec_draft_tokens_total > 0
+    # verifications and draft forwards replayed graphs, each of their inputs staged and uploaded
+    assert engine.runner.graph_replays >= 5 and engine.speculator.proposer.runner.graph_replays >= 3 * 5
 
 
 def test_nothing_on_the_step_path_waits_for_the_whole_device():
@@ -173,6 +200,7 @@ def test_overlapped_decode_and_verification_steps_fit_a_graph(tiny_llama):
     shapes = _graph_shapes(plain.runner, (1,))
     _decode(plain, [[5, 6, 7, 8], [9, 10, 11]])
     assert shapes[0] is None and shapes[1:] == [(2, 1)] * (len(shapes) - 1)
+    del plain  # on CUDA its KV pool would leave the next engine no room
 
     spec = LLMEngine(EngineConfig(model=str(tiny_llama), speculative_method="draft", draft_model=str(tiny_llama),
                                   num_speculative_tokens=3, adaptive_speculation=False, async_scheduling=True))
