@@ -12,6 +12,9 @@ predicts from the measured a and c.
     python perf/bench_speculative.py --batch-sizes 1 --max-tokens 64
     python perf/bench_speculative.py --max-tokens 64 --repeats 7 \
         --methods none "none, 2nd engine" "draft k=3" "draft adaptive" "ngram adaptive"
+    python perf/spec_pair.py /tmp/pair --shape 1b --acceptance 0.7 && python perf/bench_speculative.py \
+        --target /tmp/pair/target --draft /tmp/pair/draft --draft-dtype bfloat16 --temperatures 0 \
+        --batch-sizes 1 8 64 256 --async-scheduling on --num-kv-blocks 4000 --repeats 1   # on a GPU
 """
 from __future__ import annotations
 
@@ -111,6 +114,11 @@ def main() -> None:
                     help="each engine's KV pool, draft included (default: what llm_engine's config.pbtxt serves). "
                     "A head's or draft's KV takes a share of it, so a pool too small for the batch preempts "
                     "(re-prefills) more often with speculation than without: the preempted column says so")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="each engine's KV blocks (on CUDA, where the pool is otherwise a share of the GPU's memory and "
+                    "the engines built after the first would find no room)")
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                    help="overlapped steps: auto is the engine's default (on CUDA without speculation only)")
     ap.add_argument("--prompts", choices=("code", "chat"), default="code",
                     help="held-out code continuations (64-192 tokens), or the held-out chat requests in the chat template")
     ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ("none, 2nd engine", "eagle k=2",
@@ -127,7 +135,8 @@ def main() -> None:
         engines[name] = LLMEngine(EngineConfig(
             model=str(args.target), draft_model=str(draft), num_threads=args.threads,
             max_num_seqs=max(args.batch_sizes), dtype=args.dtype, draft_dtype=args.draft_dtype,
-            kv_cache_memory_bytes=args.kv_cache_mib * 2**20, **METHODS[name]))
+            kv_cache_memory_bytes=args.kv_cache_mib * 2**20, num_kv_blocks=args.num_kv_blocks,
+            async_scheduling=None if args.async_scheduling == "auto" else args.async_scheduling == "on", **METHODS[name]))
     rows = []
     cases = [(b, t) for b in args.batch_sizes for t in args.temperatures]
     bar = tqdm(total=len(cases) * len(args.methods) * args.repeats, desc="runs")
@@ -181,6 +190,7 @@ def main() -> None:
     where = "the held-out chat requests" if args.prompts == "chat" else "prompts 64-192 tokens of held-out code"
     print(f"\n{args.target.name}, {args.max_tokens} new tokens per request, {where}, "
           f"target {args.dtype}, draft {args.draft_dtype}, {args.threads} torch thread(s), KV pool {args.kv_cache_mib} MiB, "
+          f"overlapped steps {args.async_scheduling}, "
           f"median of {args.repeats} interleaved rounds (vs first method in the same round)\n")
     print("acceptance: accepted / drafted tokens. S(k) predicted (fixed k): the formula with the per-token rate it\n"
           "assumes (accepted / (accepted + rejections)) and c = a further draft forward / a target forward.\n")

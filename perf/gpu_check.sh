@@ -2,43 +2,53 @@
 # The GPU checks in one run: native kernel tests, the model tests on CUDA, the step path (graph
 # replays and host waits per step, plain and speculating, overlapped or not), tensor parallelism on
 # one GPU (NCCL world of one in CUDA graphs, two ranks on the GPU), decode-attention and
-# small-batch linear bandwidth, end to end vs HF, host work per step.
-# Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [tests] [model] [multigpu] [steps]
-#   [bandwidth] [e2e] [host]
+# small-batch linear bandwidth, end to end vs HF at the 1B and 8B shapes, speculation with a draft
+# of set acceptance, host work per step.
+# Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [e2e] [steps] [spec] [e2e8b] [tests]
+#   [model] [multigpu] [bandwidth] [host]
 # (no arguments: all; sections run in the order named). The engine's own dependencies (msgspec,
 # pyzmq, xgrammar, tritonclient, ...) travel as wheels: `bash perf/gpu_wheels.sh` here, carry .gpuw,
 # and there install them first (the header of gpu_wheels.sh has the line).
 set -u
 OUT=${OUT:-perf/results/gpu}
-STEPS=${*:-tests model multigpu steps bandwidth e2e host}
+STEPS=${*:-e2e steps spec e2e8b tests model multigpu bandwidth host}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+# what comes back is at most 8 files: gpu.txt, tests.txt, bench_gpu.txt (+ .json), bench_gpu_8b.json,
+# step_path.txt, spec.txt, bench_kernels.txt; each section appends to its file as it goes
 tests() {
-  echo "== kernel tests (native CUDA)"
-  timeout 90 $PY -m pytest tests/kernels -q -p no:cacheprovider --timeout 60 2>&1 | tee "$OUT/kernel_tests.txt" | tail -15
+  echo "== kernel tests (native CUDA)" | tee -a "$OUT/tests.txt"
+  timeout 90 $PY -m pytest tests/kernels -q -p no:cacheprovider --timeout 60 2>&1 | tee -a "$OUT/tests.txt" | tail -15
 }
 model() {
-  echo "== model tests on CUDA (engine == HF, overlapped == plain, speculation with overlap, the step path)"
-  timeout 150 $PY -m pytest tests/model/test_gpu_path.py tests/model/test_engine_vs_hf.py tests/model/test_overlapped_steps.py \
-    tests/model/test_speculative.py -q --timeout 60 -p no:cacheprovider 2>&1 | tee "$OUT/model_tests.txt" | tail -30
-  echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/model_tests.txt"
+  # one file at a time, each under its own limit, so a slow one does not hide the others' failures
+  for entry in test_gpu_path:60 test_overlapped_steps:40 test_engine_vs_hf:100 test_speculative:100; do
+    name=${entry%%:*}
+    echo "== tests/model/$name.py on CUDA" | tee -a "$OUT/tests.txt"
+    timeout "${entry##*:}" $PY -m pytest "tests/model/$name.py" -q --tb=short --timeout 60 -p no:cacheprovider \
+      > "$OUT/$name.log" 2>&1
+    echo "exit $?" | tee -a "$OUT/tests.txt"
+    grep -E "passed|failed|^(FAILED|ERROR)|^E  " "$OUT/$name.log" | head -40 | tee -a "$OUT/tests.txt"
+    rm -f "$OUT/$name.log"
+  done
 }
 multigpu() {
-  echo "== tensor parallelism on one GPU: NCCL world of one in CUDA graphs == unsharded; TP=2 on one GPU (gloo, CUDA tensors)"
-  timeout 100 $PY -m pytest tests/model/test_cuda_parallel.py -q --timeout 60 -p no:cacheprovider 2>&1 | tail -20 | tee "$OUT/multigpu.txt"
-  echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/multigpu.txt"
+  echo "== tensor parallelism on one GPU: NCCL world of one in CUDA graphs == unsharded; TP=2 on one GPU (gloo, CUDA tensors)" \
+    | tee -a "$OUT/tests.txt"
+  timeout 100 $PY -m pytest tests/model/test_cuda_parallel.py -q --timeout 60 -p no:cacheprovider 2>&1 | tail -20 \
+    | tee -a "$OUT/tests.txt"
 }
 steps() {
   echo "== the step path, Llama-3.2-1B shape, bf16: graph replays and host waits per step"
-  timeout 100 $PY perf/bench_step_path.py --shape 1b --batch-sizes 1 64 --json "$OUT/step_path.json" 2>&1 \
+  timeout 100 $PY perf/bench_step_path.py --shape 1b --batch-sizes 1 64 2>&1 \
     | grep -v -E "Loading|Writing" | tail -16 | tee "$OUT/step_path.txt"
 }
 bandwidth() {
   echo "== decode attention bandwidth"
-  timeout 90 $PY perf/bench_kernels.py --num-splits 1 2 4 2>&1 | tail -25 | tee "$OUT/bench_kernels.txt"
+  timeout 90 $PY perf/bench_kernels.py --num-splits 1 2 4 2>&1 | tail -25 | tee -a "$OUT/bench_kernels.txt"
   echo "== decode attention at the end-to-end shape (1B: head_dim 64, batch 128, contexts 128-1024)"
   timeout 90 $PY perf/bench_kernels.py --head-dim 64 --batch 128 --min-context 128 --context 1024 \
     --num-splits 1 2 --block-n 32 64 128 2>&1 | tail -25 | tee -a "$OUT/bench_kernels.txt"
@@ -46,15 +56,33 @@ bandwidth() {
   timeout 60 $PY perf/bench_kernels.py --batch 1 --queries 4 --context 8192 --num-splits 1 2>&1 | tail -8 \
     | tee -a "$OUT/bench_kernels.txt"
   echo "== small-batch linears: cuBLAS vs the Triton gemv kernel at the 1B shapes, tile sweep"
-  timeout 120 $PY perf/bench_gemv.py --block-n 16 32 64 --block-k 128 256 512 2>&1 | tail -30 | tee "$OUT/bench_gemv.txt"
+  timeout 120 $PY perf/bench_gemv.py --block-n 16 32 64 --block-k 128 256 512 2>&1 | tail -30 | tee -a "$OUT/bench_kernels.txt"
 }
 e2e() {
   echo "== end to end, Llama-3.2-1B shape, bf16"
-  timeout 220 $PY perf/bench_gpu.py --hf-requests 32 --json "$OUT/bench_gpu.json" 2>&1 | grep -v -E "Loading|Writing" | tee "$OUT/bench_gpu.txt" | tail -40
+  timeout 220 $PY perf/bench_gpu.py --hf-requests 32 --json "$OUT/bench_gpu.json" 2>&1 | grep -v -E "Loading|Writing" \
+    | tee -a "$OUT/bench_gpu.txt" | tail -40
+}
+e2e8b() {
+  echo "== end to end, Llama-3.1-8B shape, bf16: the default engine against its floor (16 GB / 4.25 TB/s = 3.8 ms) and HF" \
+    | tee -a "$OUT/bench_gpu.txt"
+  timeout 240 $PY perf/bench_gpu.py --shape 8b --default-only --hf-requests 32 --json "$OUT/bench_gpu_8b.json" 2>&1 \
+    | grep -v -E "Loading|Writing" | tee -a "$OUT/bench_gpu.txt" | tail -20
+}
+spec() {
+  echo "== speculation with overlapped steps, 1B-shape pair of set acceptance (a one-layer draft), batch 1/8/64/256"
+  pair=$(mktemp -d)
+  timeout 90 $PY perf/spec_pair.py "$pair" --shape 1b --acceptance 0.7 2>&1 | grep -v -E "Loading|Writing" | tail -2 \
+    | tee "$OUT/spec.txt"
+  timeout 200 $PY perf/bench_speculative.py --target "$pair/target" --draft "$pair/draft" --dtype bfloat16 \
+    --draft-dtype bfloat16 --temperatures 0 --batch-sizes 1 8 64 256 --max-tokens 64 --repeats 1 \
+    --async-scheduling on --num-kv-blocks 6000 --methods none "draft k=3" "draft adaptive" 2>&1 \
+    | grep -v -E "Loading|Writing|runs:" | tee -a "$OUT/spec.txt" | tail -18
+  rm -rf "$pair"
 }
 host() {
   echo "== host work per decode step (tiny model, forward timed apart)"
-  timeout 120 $PY perf/bench_host.py --batch-sizes 1 64 256 2>&1 | tail -12 | tee "$OUT/bench_host.txt"
+  timeout 120 $PY perf/bench_host.py --batch-sizes 1 64 256 2>&1 | tail -12 | tee -a "$OUT/bench_kernels.txt"
 }
 for section in $STEPS; do
   echo "== section $section, $(date +%T)"

@@ -96,7 +96,10 @@ def draft_first_input(requests: list[Request], pending: PendingTokens | None) ->
     """The draft's first forward of a step: each request reads what the draft has not seen of it.
     After a verification still on the device, that is the token before the last and the last,
     where the accepted drafts put them (re-reading a position already computed writes the same
-    K/V); after a plain step, what it has not read and the sampled token from the device."""
+    K/V); after a plain step, what it has not read and the sampled token from the device. With
+    every step read back, at least the last two tokens: after a verification the draft has seen
+    all but the last (some drafts rejected) or all but two (every draft accepted), and reading two
+    either way keeps the forward one graph's shape (mixed, it would run eagerly)."""
     step = StepInput([], [], [], [])
     row_of = pending.row_of if pending is not None else {}
     if pending is not None:
@@ -107,7 +110,8 @@ def draft_first_input(requests: list[Request], pending: PendingTokens | None) ->
             step.add([0, 0], r.num_computed_tokens - 1, r.block_table, 1)
             step.take_from_device([row, len(row_of) + row])
         else:
-            start = min(r.spec.num_computed_tokens, r.num_tokens - 1)
+            start = min(r.spec.num_computed_tokens, r.num_tokens - (1 if row is not None else 2))
+            start = max(start, 0)
             step.add(r.tokens_slice(start, r.num_tokens) + ([0] if row is not None else []), start, r.block_table, 1)
             if row is not None:
                 step.take_from_device([len(row_of) + row])
