@@ -1,6 +1,7 @@
 """Per weight shape, which kernel multiplies, timed at startup: on CUDA torch's matmul or the Triton
 small-batch kernel; on a CPU with weight-only quantization, the packed kernel or a dense bfloat16
-copy of the weight (`tune_quantized_linears`).
+copy of the weight (`tune_quantized_linears`); on a CPU in float32, torch's matmul or oneDNN's on
+a copy of the lm_head's weight in its layout (`tune_cpu_head`).
 
 At batch 1-16 a linear layer reads its whole weight for a few rows of output; which kernel reads
 it faster depends on the shape and the GPU. For each distinct weight shape of a model the tuner
@@ -24,6 +25,8 @@ from backend.model.quantized_linear import KERNEL_DTYPE, RescoredHead, WeightOnl
 from kernels.gemv import MAX_ROWS, gemv
 
 ROW_COUNTS = (1, 2, 4, 8, MAX_ROWS)
+HEAD_ROW_COUNTS = (64, 16, 8, 4, 3, 2, 1)  # decode batches and verifications (k + 1 rows), most first
+HEAD_MARGIN = 1.05  # oneDNN's copy must be this much faster: at 1 row the two are often within noise
 DENSE_ROW_COUNTS = (256, 128, 64, 32, 16, 8, 4)  # packed against dense, from the most rows down
 REPEATS = 10
 FLUSH_BYTES = 256 << 20  # more than any GPU's L2
@@ -157,3 +160,35 @@ def _time_packed_and_dense(layer: WeightOnlyLinear) -> dict[int, tuple[float, fl
         if times[rows][1] >= packed:
             break  # fewer rows only favour the packed kernel further
     return times
+
+
+@torch.inference_mode()
+def tune_cpu_head(model: nn.Module) -> dict[tuple[int, int], dict]:
+    """A float32 model's lm_head on a CPU with oneDNN: keeps a copy of its weight in oneDNN's
+    layout and uses it from the fewest rows from which it measured faster (by HEAD_MARGIN) at every
+    count of HEAD_ROW_COUNTS (the copy is dropped where torch's matmul always won). Returns the choice and
+    the times; {} where it does not apply or timing failed."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, Linear) or head.quantized is not None or head.weight.dtype != torch.float32 \
+            or head.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return {}
+    try:
+        head.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(head.weight, None)
+        times = {}
+        for rows in HEAD_ROW_COUNTS:
+            x = torch.randn(rows, head.in_features)
+            head.onednn_min_rows = rows + 1
+            plain = time_call(lambda: head(x), None)
+            head.onednn_min_rows = rows
+            times[rows] = (plain, time_call(lambda: head(x), None))
+            if times[rows][1] * HEAD_MARGIN >= plain:
+                break  # fewer rows favour oneDNN's copy less
+        chosen = rows_for_dense({rows: (plain, onednn * HEAD_MARGIN) for rows, (plain, onednn) in times.items()})
+    except Exception as e:  # a start-up optimisation must not stop the engine
+        log.warning("lm_head tuning failed (%r); using torch's matmul", e)
+        chosen, times = None, {}
+    if chosen is None:
+        head.onednn_weight = None
+    else:
+        head.onednn_min_rows = chosen
+    return {tuple(head.weight.shape): {"onednn_min_rows": chosen, "seconds (torch, onednn) by rows": times}}

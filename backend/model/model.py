@@ -56,12 +56,18 @@ PACKED_PROJECTIONS = {
 class Linear(nn.Linear):
     """nn.Linear that runs the Triton small-batch kernel (kernels/gemv.py) for up to
     `gemv_max_rows` rows of input, where the engine measured it faster than torch's matmul for
-    this weight's shape (backend/model/linear_tuner.py; 0: never). With weight-only quantization
-    its `quantized` layer holds the weight and bias instead (backend/model/quantized_linear.py)."""
+    this weight's shape (backend/model/linear_tuner.py; 0: never). On a CPU it can keep a copy of
+    its weight in oneDNN's layout (`onednn_weight`) and multiply by it from `onednn_min_rows` rows
+    on, where the engine measured that faster (the lm_head: torch's float32 matmul re-packs a
+    49k-row weight on every call and doubles its time from 4 rows on). With weight-only
+    quantization its `quantized` layer holds the weight and bias instead
+    (backend/model/quantized_linear.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.gemv_max_rows = 0
+        self.onednn_weight: torch.Tensor | None = None
+        self.onednn_min_rows = 1
         self.quantized: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +75,9 @@ class Linear(nn.Linear):
             return self.quantized(x)
         if self.gemv_max_rows and x.shape[0] <= self.gemv_max_rows:
             return gemv(x, self.weight, self.bias)
+        if (self.onednn_weight is not None and x.dim() == 2 and x.shape[0] >= self.onednn_min_rows
+                and not torch.compiler.is_compiling()):  # (a compiled graph keeps torch's matmul)
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn_weight, self.bias, "none", [], "")
         return super().forward(x)
 
 
