@@ -149,16 +149,26 @@ def tune_quantized_linears(model: nn.Module, dense_rows: int) -> dict[tuple[int,
 
 @torch.inference_mode()
 def _time_packed_and_dense(layer: WeightOnlyLinear) -> dict[int, tuple[float, float]]:
-    times = {}
     layer.use_dense_from(1)  # the copy, made once
-    for rows in DENSE_ROW_COUNTS:
-        x = torch.randn(rows, layer.weight_shape[1], dtype=KERNEL_DTYPE)
-        layer.dense_min_rows = rows + 1
-        packed = time_call(lambda: layer(x), None, REPEATS // 2)
-        layer.dense_min_rows = rows
-        times[rows] = (packed, time_call(lambda: layer(x), None, REPEATS // 2))
-        if times[rows][1] >= packed:
-            break  # fewer rows only favour the packed kernel further
+    return _time_without_and_with_copy(layer, "dense_min_rows", DENSE_ROW_COUNTS, layer.weight_shape[1],
+                                       KERNEL_DTYPE, REPEATS // 2)
+
+
+def _time_without_and_with_copy(layer: nn.Module, min_rows: str, row_counts: tuple[int, ...], in_features: int,
+                                dtype: torch.dtype, repeats: int, margin: float = 1.0) -> dict[int, tuple[float, float]]:
+    """rows -> (seconds of layer(x) without its copy, with it), at each of `row_counts` (most rows
+    first) by setting the layer's `min_rows` attribute (the rows from which the copy multiplies)
+    just above the count, then at it; stops at the first count where the copy was not faster by
+    `margin` (fewer rows only favour it less)."""
+    times = {}
+    for rows in row_counts:
+        x = torch.randn(rows, in_features, dtype=dtype)
+        setattr(layer, min_rows, rows + 1)
+        without = time_call(lambda: layer(x), None, repeats)
+        setattr(layer, min_rows, rows)
+        times[rows] = (without, time_call(lambda: layer(x), None, repeats))
+        if times[rows][1] * margin >= without:
+            break
     return times
 
 
@@ -174,15 +184,8 @@ def tune_cpu_head(model: nn.Module) -> dict[tuple[int, int], dict]:
         return {}
     try:
         head.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(head.weight, None)
-        times = {}
-        for rows in HEAD_ROW_COUNTS:
-            x = torch.randn(rows, head.in_features)
-            head.onednn_min_rows = rows + 1
-            plain = time_call(lambda: head(x), None)
-            head.onednn_min_rows = rows
-            times[rows] = (plain, time_call(lambda: head(x), None))
-            if times[rows][1] * HEAD_MARGIN >= plain:
-                break  # fewer rows favour oneDNN's copy less
+        times = _time_without_and_with_copy(head, "onednn_min_rows", HEAD_ROW_COUNTS, head.in_features, torch.float32,
+                                            REPEATS, HEAD_MARGIN)
         chosen = rows_for_dense({rows: (plain, onednn * HEAD_MARGIN) for rows, (plain, onednn) in times.items()})
     except Exception as e:  # a start-up optimisation must not stop the engine
         log.warning("lm_head tuning failed (%r); using torch's matmul", e)

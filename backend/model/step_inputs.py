@@ -110,8 +110,7 @@ def draft_first_input(requests: list[Request], pending: PendingTokens | None) ->
             step.add([0, 0], r.num_computed_tokens - 1, r.block_table, 1)
             step.take_from_device([row, len(row_of) + row])
         else:
-            start = min(r.spec.num_computed_tokens, r.num_tokens - (1 if row is not None else 2))
-            start = max(start, 0)
+            start = max(0, min(r.spec.num_computed_tokens, r.num_tokens - (1 if row is not None else 2)))
             step.add(r.tokens_slice(start, r.num_tokens) + ([0] if row is not None else []), start, r.block_table, 1)
             if row is not None:
                 step.take_from_device([len(row_of) + row])

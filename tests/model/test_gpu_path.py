@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from backend import engine as engine_module
 from backend import engine_loop
-from backend.model.attention import TorchAttention
+from backend.model.attention import TorchAttention, TritonAttention
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
@@ -41,8 +41,9 @@ class StaticForward:
 def graphs_on_cpu(monkeypatch):
     """Engines made in the test take the CUDA step path: the graphs CUDA would capture (each a
     StaticForward), their inputs staged and uploaded each step, the waits that costs counted."""
-    monkeypatch.setattr(engine_module, "target_graph_query_lens", lambda config, *_: (
-        (1,) if config.speculative_method == "none" else (1, config.num_speculative_tokens + 1)))
+    cuda_query_lens = engine_module.target_graph_query_lens  # what it answers on CUDA with Triton attention
+    monkeypatch.setattr(engine_module, "target_graph_query_lens",
+                        lambda config, *_: cuda_query_lens(config, torch.device("cuda", 0), TritonAttention()))
     monkeypatch.setattr(ModelRunner, "capture_graph", lambda runner, b, q, pool: (StaticForward(runner, b, q), None, None))
 
 
@@ -262,7 +263,6 @@ def test_which_target_graphs_every_rank_captures(tiny_llama):
     """On CUDA the target captures decode graphs and, with speculation, verification graphs (k + 1
     tokens); under tensor parallelism every rank captures the same ones (their all-reduces meet in
     the graphs); a pipeline's stages, a CPU, enforce_eager and an attention that syncs capture none."""
-    from backend.model.attention import TritonAttention
     from backend.model.model_runner import target_graph_query_lens
 
     cuda, triton, torch_attention = torch.device("cuda", 1), TritonAttention(), TorchAttention()
