@@ -163,14 +163,16 @@ class LLMEngine:
         bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
         if self.draft_model is not None:
             bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.draft_dtype)
-        if eagle:  # the target's final hidden state at every slot, for the head
-            bytes_per_block += config.block_size * model.args.hidden_size * self.dtype.itemsize
+        if eagle:  # the target's features at every slot, for the head
+            bytes_per_block += config.block_size * self.draft_model.feature_width * self.dtype.itemsize
         self.num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(bytes_per_block)
         if self.num_blocks < 2:
             raise ValidationError("kv_cache_memory_bytes", f"room for {self.num_blocks} KV blocks; need >= 2")
         if eagle:  # written by the target's forwards, read by the head's (padding rows write the last)
             model.feature_pool = self.draft_model.feature_pool = torch.zeros(
-                self.num_blocks * config.block_size + 1, model.args.hidden_size, dtype=self.dtype, device=self.device)
+                self.num_blocks * config.block_size + 1, self.draft_model.feature_width, dtype=self.dtype,
+                device=self.device)
+            model.feature_layers = self.draft_model.feature_layers
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.num_blocks,
                                     tuple(sorted(self.eos_token_ids)))
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)

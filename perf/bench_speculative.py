@@ -109,7 +109,9 @@ def main() -> None:
     # the tiny pair until the default model (SmolLM2) has a draft of its own
     ap.add_argument("--target", type=Path, default=TINY_PAIR / "target", help="target checkpoint (default: %(default)s)")
     ap.add_argument("--draft", type=Path, default=TINY_PAIR / "draft", help="draft checkpoint (default: %(default)s)")
-    ap.add_argument("--eagle", type=Path, help="an EAGLE head for the target (the eagle methods)")
+    ap.add_argument("--eagle", type=Path, nargs="+", default=[],
+                    help="EAGLE heads for the target (the eagle methods; with several, each eagle method runs once "
+                         "per head, labelled by the head's directory name)")
     ap.add_argument("--kv-cache-mib", type=int, default=512,
                     help="each engine's KV pool, draft included (default: what llm_engine's config.pbtxt serves). "
                     "A head's or draft's KV takes a share of it, so a pool too small for the batch preempts "
@@ -129,32 +131,38 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
-    engines = {}
+    runs = {}  # label -> (method, draft)
     for name in args.methods:
-        draft = args.eagle if METHODS[name]["speculative_method"] == "eagle" else args.draft
-        engines[name] = LLMEngine(EngineConfig(
+        if METHODS[name]["speculative_method"] != "eagle":
+            runs[name] = (name, args.draft)
+        for head in args.eagle if METHODS[name]["speculative_method"] == "eagle" else ():
+            runs[name if len(args.eagle) == 1 else f"{name} ({head.name})"] = (name, head)
+    labels = list(runs)
+    engines = {}
+    for label, (name, draft) in runs.items():
+        engines[label] = LLMEngine(EngineConfig(
             model=str(args.target), draft_model=str(draft), num_threads=args.threads,
             max_num_seqs=max(args.batch_sizes), dtype=args.dtype, draft_dtype=args.draft_dtype,
             kv_cache_memory_bytes=args.kv_cache_mib * 2**20, num_kv_blocks=args.num_kv_blocks,
             async_scheduling=None if args.async_scheduling == "auto" else args.async_scheduling == "on", **METHODS[name]))
     rows = []
     cases = [(b, t) for b in args.batch_sizes for t in args.temperatures]
-    bar = tqdm(total=len(cases) * len(args.methods) * args.repeats, desc="runs")
+    bar = tqdm(total=len(cases) * len(labels) * args.repeats, desc="runs")
     for batch_size, temperature in cases:
         n = max(4, batch_size * args.requests_per_slot)
         prompts = (chat_prompts(tokenizer, n, seed=batch_size) if args.prompts == "chat"
                    else code_prompts(tokenizer, n, 64, 192, seed=batch_size))
         for engine in engines.values():
             run(engine, prompts[:2], 8, temperature, 2)  # warm-up
-        rates = {name: [] for name in args.methods}
-        ratios = {name: [] for name in args.methods}
+        rates = {name: [] for name in labels}
+        ratios = {name: [] for name in labels}
         # draft tokens, accepted, verification steps, steps that accepted all k, tokens generated, preemptions
-        spec = {name: [0, 0, 0, 0, 0, 0] for name in args.methods}
+        spec = {name: [0, 0, 0, 0, 0, 0] for name in labels}
         for round_index in range(args.repeats):
             # each round starts one method later: every method runs early and late in a round as
             # often, so load drifting within a round favours none of them
-            shift = round_index % len(args.methods)
-            for name in args.methods[shift:] + args.methods[:shift]:
+            shift = round_index % len(labels)
+            for name in labels[shift:] + labels[:shift]:
                 engine = engines[name]
                 # a few steps of the same load first: memory the last engine's run left in another
                 # shape is faulted in again here, not in the timed run (it cost the engine that ran
@@ -171,9 +179,9 @@ def main() -> None:
                 spec[name][5] += s1.num_preemptions_total - s0.num_preemptions_total
                 rates[name].append(tokens / seconds)
                 bar.update()
-            for name in args.methods:
-                ratios[name].append(rates[name][-1] / rates[args.methods[0]][-1])
-        for name in args.methods:
+            for name in labels:
+                ratios[name].append(rates[name][-1] / rates[labels[0]][-1])
+        for name in labels:
             engine = engines[name]
             draft, accepted, steps, all_accepted, generated, preempted = spec[name]
             # request-steps that verified drafts, of all request-steps (each plain one yields a token)

@@ -17,7 +17,8 @@ Training text:
          (scripts/magpie_prompts.py; `--num-magpie`, none by default)
   code   windows of Python standard-library files (scripts/python_corpus.py)
 The teacher's outputs are computed once (`logits` stage, `--teacher-dtype`): at every position the
-top-`--top-k` log-probabilities and the final normed hidden state. The loss is soft CE to the
+top-`--top-k` log-probabilities, the final normed hidden state and, with `--feature-layers`, the
+residual stream after those layers (an EAGLE head's fused features, scripts/train_eagle_draft.py). The loss is soft CE to the
 teacher's top-k restricted to the draft vocabulary (renormalised, = KL up to a constant), + `--hard`
 x CE on the teacher's argmax, + `--feature` x smooth-L1 between draft and teacher final hidden states.
 
@@ -41,7 +42,8 @@ Stages (``--stage``, a comma list):
         --num-code-windows 600                       # held-out and 670 chat answers: ~7 min
     python scripts/train_default_draft.py --stage data --teacher-dtype bfloat16 --threads 2 --num-chat 680 \
         --num-code-windows 600 --num-magpie 3180 --magpie-chunk 800 --magpie-answer-tokens 160   # ~18 min
-    python scripts/train_default_draft.py --stage logits --teacher-dtype bfloat16 --threads 2  # 906k positions: ~8 min
+    python scripts/train_default_draft.py --stage logits --teacher-dtype bfloat16 --threads 2 \
+        --feature-layers 2,15,27                     # 906k positions: ~8 min (and the fused features' streams)
     # a standalone draft on the same data
     python scripts/train_default_draft.py --stage train --layers 0,1 --draft-vocab 8192 \
         --batch-size 8 --lr 1e-3 --minutes 38 --eval-every 250 --out .cache/default_draft/best
@@ -298,14 +300,30 @@ def padded(sequences: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tens
     return input_ids, mask
 
 
+def target_hidden(target, input_ids: torch.Tensor, feature_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's final normed hidden states [B, T, H] and, for `feature_layers`, the residual stream
+    after each of those layers (HF's decoder layer output) stacked [B, T, len, H] (None without)."""
+    captured = []
+    hook = lambda module, inputs, output: captured.append(output[0] if isinstance(output, tuple) else output)  # noqa: E731
+    handles = [target.model.layers[i].register_forward_hook(hook) for i in feature_layers]
+    try:
+        hidden = target.model(input_ids).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
+    return hidden, torch.stack(captured, 2) if captured else None
+
+
 @torch.inference_mode()
 def stage_logits(args) -> None:
     """The target's outputs on every training sequence, once (in `--teacher-dtype`: float32, or bfloat16
-    autocast): at each position the top-`--top-k` log-probabilities (T = 1) with their token ids and the
-    final (normed) hidden state (stored in bfloat16)."""
+    autocast): at each position the top-`--top-k` log-probabilities (T = 1) with their token ids, the
+    final (normed) hidden state and, with `--feature-layers`, the residual stream after each of those
+    layers (for an EAGLE head with fused features; all stored in bfloat16)."""
     tok, target = load_target(torch.float32)
     data = torch.load(CACHE / "data.pt")
-    cache, start = {}, time.monotonic()
+    feature_layers = [int(x) for x in args.feature_layers.split(",") if x]
+    cache, start = {"feature_layers": feature_layers}, time.monotonic()
     for split in TRAIN_SPLITS:
         seqs = [(ids[:SEQ_LEN], s) for ids, s in data.get(split, [])]
         out: list[dict | None] = [None] * len(seqs)
@@ -314,13 +332,15 @@ def stage_logits(args) -> None:
             rows = order[b:b + args.batch_size]
             input_ids, _ = padded([seqs[i] for i in rows], tok.pad_token_id)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.teacher_dtype == "bfloat16"):
-                hidden = target.model(input_ids).last_hidden_state
+                hidden, layers = target_hidden(target, input_ids, feature_layers)
                 logp = F.log_softmax(target.lm_head(hidden).float(), -1)
             top = logp.topk(args.top_k, -1)
             for r, i in enumerate(rows):
                 n = len(seqs[i][0])
                 out[i] = dict(ids=top.indices[r, :n].int(), logp=top.values[r, :n].half(),
                               hidden=hidden[r, :n].to(torch.bfloat16))
+                if layers is not None:
+                    out[i]["layers"] = layers[r, :n].to(torch.bfloat16)
         cache[split] = out
         print(f"teacher outputs, {split}: {sum(len(s[0]) for s in seqs)} positions, "
               f"{(time.monotonic() - start) / 60:.1f} min", flush=True)
@@ -375,8 +395,12 @@ class HeldOut:
         return result
 
 
-def train_batches(data: dict, teacher: dict, batch_size: int, seed: int, pad: int):
-    """Endless shuffled batches of similar lengths: (input_ids, mask, top ids, top logp, hidden)."""
+def train_batches(data: dict, teacher: dict, batch_size: int, seed: int, pad: int, feature_layers: list[int] = ()):
+    """Endless shuffled batches of similar lengths: (input_ids, mask, top ids, top logp, hidden). With
+    `feature_layers` (a subset of the teacher's), hidden is the residual stream after each of those
+    layers and then the final normed state, concatenated [B, T, (len + 1) H], as an engine's feature
+    pool holds it for an EAGLE head with fused features."""
+    pick = [teacher.get("feature_layers", []).index(i) for i in feature_layers]
     items = [((ids[:SEQ_LEN], s), t) for split in TRAIN_SPLITS
              for (ids, s), t in zip(data.get(split, []), teacher.get(split, []))]
     rng = random.Random(seed)
@@ -392,10 +416,12 @@ def train_batches(data: dict, teacher: dict, batch_size: int, seed: int, pad: in
             k, h = chunk[0][1]["ids"].shape[1], chunk[0][1]["hidden"].shape[1]
             top_ids = torch.zeros(len(chunk), length, k, dtype=torch.long)
             top_logp = torch.full((len(chunk), length, k), -1e4)
-            hidden = torch.zeros(len(chunk), length, h)
+            hidden = torch.zeros(len(chunk), length, (len(pick) + 1) * h)
             for row, (_, t) in enumerate(chunk):
                 n = len(t["ids"])
-                top_ids[row, :n], top_logp[row, :n], hidden[row, :n] = t["ids"], t["logp"].float(), t["hidden"].float()
+                top_ids[row, :n], top_logp[row, :n], hidden[row, :n, -h:] = t["ids"], t["logp"].float(), t["hidden"].float()
+                if pick:
+                    hidden[row, :n, :-h] = t["layers"][:, pick].flatten(1).float()
             yield input_ids, mask, top_ids, top_logp, hidden
 
 
@@ -500,6 +526,8 @@ def main() -> None:
                     help="the engine's for the answers, and the logits stage's (float32 runs ~4.6x faster than "
                     "bfloat16 on a CPU without native bfloat16)")
     ap.add_argument("--teacher-batch", type=int, default=32)
+    ap.add_argument("--feature-layers", default="",
+                    help="logits stage: also keep the residual stream after these target layers (e.g. 2,15,27)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -20,6 +20,13 @@ train_default_draft.distil_loss on the shifted positions. `--ttt D` also unrolls
 chained drafting does, on the head's own f^ with the true next tokens (training-time test, EAGLE-3,
 arXiv 2503.01840): depth d + 1 from n is scored against the teacher at n + 1 + d; the losses add.
 
+`--feature-layers 2,15,27` gives the head fused features (EAGLE-3): f_t above is replaced by
+fuse([rms(h_2,t); rms(h_15,t); rms(h_27,t); f_t]) over the residual streams after those target layers
+(the logits stage must have kept them: its `--feature-layers`); chained drafts still read f^. With
+`--init`, a head without fuse gains one that starts as [0, 0, 0, I], so training starts from exactly
+the saved head's drafts (perf/results_default_models.md: within 20 minutes on one thread, no gain
+over the same continuation without them).
+
 Data: train_default_draft's data.pt and teacher.pt (the teacher's top-32 and hidden states).
 
 Held-out (the prompts of scripts/chat_prompts.HELDOUT; float32 target, cached in heldout.pt):
@@ -73,6 +80,7 @@ from scripts.train_default_draft import (
     load_draft,
     load_target,
     select_vocab,
+    target_hidden,
     train_batches,
 )
 
@@ -100,7 +108,7 @@ def attention(q, k_ctx, v_ctx, ctx_mask, k_own, v_own):
 class EagleHead(nn.Module):
     """fc + one Llama decoder layer + optional RMSNorm + reduced lm_head (see the module docstring)."""
 
-    def __init__(self, layer_config, vocab_rows: int, final_norm: bool):
+    def __init__(self, layer_config, vocab_rows: int, final_norm: bool, feature_layers: list[int] = ()):
         from transformers.models.llama.modeling_llama import (
             LlamaDecoderLayer,
             LlamaRMSNorm,
@@ -111,6 +119,8 @@ class EagleHead(nn.Module):
         hidden = layer_config.hidden_size
         self.config = layer_config
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.feature_layers = list(feature_layers)
+        self.fuse = nn.Linear((len(feature_layers) + 1) * hidden, hidden, bias=False) if feature_layers else None
         self.layer = LlamaDecoderLayer(layer_config, layer_idx=0)
         self.norm = LlamaRMSNorm(hidden, eps=layer_config.rms_norm_eps) if final_norm else nn.Identity()
         self.lm_head = nn.Linear(hidden, vocab_rows, bias=False)
@@ -118,6 +128,16 @@ class EagleHead(nn.Module):
 
     def inputs(self, token_embeds, feats):
         return self.fc(torch.cat([token_embeds, feats], -1))
+
+    def fused(self, features):
+        """The target's features as the head reads them: f_t, or with fused features fuse([rms(h_a);
+        ...; f_t]) over the residual streams after `feature_layers` (each scaled to unit RMS) and f_t."""
+        if self.fuse is None:
+            return features
+        *streams, final = features.split(self.config.hidden_size, -1)
+        eps = self.config.rms_norm_eps
+        streams = [h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) for h in streams]
+        return self.fuse(torch.cat([*streams, final], -1))
 
     def qkv(self, x, positions):
         """Rotated queries [B, heads, N, d] and keys, values [B, kv heads, N, d] of inputs x at positions [N]."""
@@ -140,12 +160,13 @@ class EagleHead(nn.Module):
 
     def unroll(self, token_embeds, feats, depth: int, next_embeds=None) -> list[torch.Tensor]:
         """f^ of depths 1..depth from every position n of [B, N] true inputs (embed(x_{n+1}), f_n), as
-        chained drafting computes them: depth 1 reads those (causally); depth d + 1 reads the head's own
+        chained drafting computes them: depth 1 reads those (causally; feats as the feature pool holds
+        them, see fused); depth d + 1 reads the head's own
         f^ of depth d and next_embeds(d, that f^), the embedding of x_{n+1+d} (the true token in training,
         the head's greedy draft of depth d in drafting), at position n + d, attending over the true keys
         before n and over its own chain, whose first key (at n) is the true one. Returns `depth` tensors
         [B, N - d, H]: the d-th (from 0) at n is f^_{n+1+d}."""
-        x = self.inputs(token_embeds, feats)
+        x = self.inputs(token_embeds, self.fused(feats))
         n = x.shape[1]
         positions, ctx_mask = torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(-1)
         q, k_ctx, v_ctx = self.qkv(x, positions)
@@ -162,14 +183,26 @@ class EagleHead(nn.Module):
         return out
 
 
-def new_head(target, layer: int, token_ids: torch.Tensor, final_norm: bool, fc_init: str) -> EagleHead:
+def add_fuse(head: EagleHead, feature_layers: list[int]) -> None:
+    """Give a head fused features, fuse starting as [0 ... 0, I]: it reads f_t alone, as before."""
+    hidden = head.config.hidden_size
+    head.feature_layers = list(feature_layers)
+    head.fuse = nn.Linear((len(feature_layers) + 1) * hidden, hidden, bias=False)
+    head.fuse.weight.data.zero_()
+    head.fuse.weight.data[:, -hidden:] = torch.eye(hidden)
+
+
+def new_head(target, layer: int, token_ids: torch.Tensor, final_norm: bool, fc_init: str,
+             feature_layers: list[int] = ()) -> EagleHead:
     """The head with target layer `layer`'s weights, lm_head rows = the target's embedding rows token_ids
     and (with final_norm) the target's final norm weight; fc_init "sum" starts fc at
     x = f_t + s * embed(x_{t+1}), s = rms(final norm weight) / rms(embedding) (the parts at similar scale),
-    "random" at nn.Linear's initialisation."""
+    "random" at nn.Linear's initialisation; with feature_layers, fuse starts reading f_t alone (add_fuse)."""
     config = target.config.__class__.from_dict(target.config.to_dict())
     config.num_hidden_layers = 1
     head = EagleHead(config, len(token_ids), final_norm)
+    if feature_layers:
+        add_fuse(head, feature_layers)
     prefix = f"model.layers.{layer}."
     head.layer.load_state_dict({k[len(prefix):]: v.float() for k, v in target.state_dict().items()
                                 if k.startswith(prefix)})
@@ -195,7 +228,10 @@ def save_head(head: EagleHead, token_ids: torch.Tensor, out: Path, layer: int) -
     config = {
         "architecture": "eagle_head", "hidden_size": head.config.hidden_size, "draft_vocab_size": len(token_ids),
         "fc": {"in_features": 2 * head.config.hidden_size, "out_features": head.config.hidden_size, "bias": True,
-               "input": "concat(target.embed_tokens(x[t+1]), target final normed hidden f[t])"},
+               "input": "concat(target.embed_tokens(x[t+1]), target final normed hidden f[t])"
+                        + (", f[t] replaced by fuse(concat(rms(h_l[t]) for l in feature_layers, f[t])) where h_l "
+                           "is the residual stream after target layer l" if head.fuse is not None else "")},
+        "feature_layers": head.feature_layers,
         "final_norm": not isinstance(head.norm, nn.Identity), "layer_initialised_from_target_layer": layer,
         "position_ids": "the input at t (f[t], x[t+1]) has position t; it drafts x[t+2]",
         "output": "f^[t+1] (trained to match f[t+1], fed back as f in chained drafting); logits = lm_head(norm(f^))",
@@ -209,7 +245,8 @@ def load_head(out: Path) -> tuple[EagleHead, torch.Tensor]:
 
     config = json.loads((out / "config.json").read_text())
     token_ids = load_file(out / "draft_vocab.safetensors")["token_ids"]
-    head = EagleHead(LlamaConfig.from_dict(config["decoder_layer"]), len(token_ids), config["final_norm"])
+    head = EagleHead(LlamaConfig.from_dict(config["decoder_layer"]), len(token_ids), config["final_norm"],
+                     config.get("feature_layers", []))
     head.load_state_dict({k: v.float() for k, v in load_file(out / "model.safetensors").items()})
     return head.eval(), token_ids
 
@@ -229,32 +266,38 @@ def greedy_answers(tok, target, prompts: list[list[int]], batch: int = 8) -> lis
     return answers
 
 
-def target_item(target, ids: list[int], start: int, token_ids: torch.Tensor | None) -> dict:
-    """A sequence with the float32 target's hidden states and argmaxes at every position, and (given
-    token_ids) its T = 0.7 probabilities of the draft tokens."""
+def target_item(target, ids: list[int], start: int, token_ids: torch.Tensor | None, feature_layers: list[int]) -> dict:
+    """A sequence with the float32 target's features (as the feature pool holds them: the residual stream
+    after each of feature_layers and the final normed hidden state, concatenated) and argmaxes at every
+    position, and (given token_ids) its T = 0.7 probabilities of the draft tokens."""
     input_ids = torch.tensor([ids])
-    hidden = target.model(input_ids).last_hidden_state[0]
+    hidden, layers = target_hidden(target, input_ids, feature_layers)
+    hidden = hidden[0]
     logits = target.lm_head(hidden)
     p = None if token_ids is None else F.softmax(logits / TEMPERATURE, -1)[:, token_ids].half()
-    return {"ids": input_ids[0], "start": start, "hidden": hidden, "argmax": logits.argmax(-1), "p": p}
+    features = hidden if layers is None else torch.cat([layers[0].flatten(1), hidden], -1)
+    return {"ids": input_ids[0], "start": start, "hidden": features, "argmax": logits.argmax(-1), "p": p}
 
 
 @torch.inference_mode()
-def heldout_sets(tok, target, data: dict, token_ids: torch.Tensor) -> tuple[list[dict], list[dict]]:
-    """(sampled, greedy) held-out items, chat prompts first; computed once into heldout.pt."""
-    path = OUT / "heldout.pt"
+def heldout_sets(tok, target, data: dict, token_ids: torch.Tensor,
+                 feature_layers: list[int]) -> tuple[list[dict], list[dict]]:
+    """(sampled, greedy) held-out items, chat prompts first; computed once into heldout.pt (heldout_l2-15.pt
+    with feature_layers 2, 15)."""
+    path = OUT / ("heldout.pt" if not feature_layers else f"heldout_l{'-'.join(map(str, feature_layers))}.pt")
     if path.exists():
         cached = torch.load(path)
-        if torch.equal(cached["token_ids"], token_ids):
+        if torch.equal(cached["token_ids"], token_ids) and cached.get("feature_layers", []) == feature_layers:
             return cached["sampled"], cached["greedy"]
-    sampled = [target_item(target, ids, start, token_ids) for ids, start in data["heldout"]]
+    sampled = [target_item(target, ids, start, token_ids, feature_layers) for ids, start in data["heldout"]]
     prompts = [ids[:start] for ids, start in data["heldout"]]
-    greedy = [target_item(target, p + a, len(p), None) for p, a in zip(prompts, greedy_answers(tok, target, prompts))]
+    greedy = [target_item(target, p + a, len(p), None, feature_layers)
+              for p, a in zip(prompts, greedy_answers(tok, target, prompts))]
     mismatch = sum((g["argmax"][g["start"] - 1:-1] != g["ids"][g["start"]:]).sum().item() for g in greedy)
     print(f"greedy held-out: {sum(len(g['ids']) - g['start'] for g in greedy)} answer tokens, "
           f"{mismatch} differ from the unpadded forward's argmax", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    torch.save({"token_ids": token_ids, "sampled": sampled, "greedy": greedy}, path)
+    torch.save({"token_ids": token_ids, "feature_layers": feature_layers, "sampled": sampled, "greedy": greedy}, path)
     return sampled, greedy
 
 
@@ -355,6 +398,7 @@ def train_step(head, embed, opt, batch, index, args) -> tuple[int, list[tuple]]:
     depths' losses summed. Returns (depth-1 positions, each depth's (soft CE, hard CE, smooth-L1))."""
     input_ids, mask, top_ids, top_logp, hidden = batch
     embeds = embed(input_ids)
+    final = hidden[..., -head.config.hidden_size:]  # f, the smooth-L1 target (hidden: the pool's features)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
         outs = head.unroll(embeds[:, 1:], hidden[:, :-1], 1 + args.ttt, lambda d, feats: embeds[:, 1 + d:])
         sels = [mask[:, 1 + d:] for d in range(len(outs))]
@@ -363,7 +407,7 @@ def train_step(head, embed, opt, batch, index, args) -> tuple[int, list[tuple]]:
     total, parts = 0.0, []
     for d, (f, lg, sel) in enumerate(zip(feats, logits, sels)):
         loss, part = distil_loss(lg, f, torch.ones(len(f), dtype=torch.bool), top_ids[:, 1 + d:][sel],
-                                 top_logp[:, 1 + d:][sel], hidden[:, 1 + d:][sel], index, args.hard, 1 / args.ce_weight)
+                                 top_logp[:, 1 + d:][sel], final[:, 1 + d:][sel], index, args.hard, 1 / args.ce_weight)
         total, parts = total + args.ce_weight * loss, parts + [part]
     opt.zero_grad(set_to_none=True)
     total.backward()
@@ -375,7 +419,7 @@ def train_step(head, embed, opt, batch, index, args) -> tuple[int, list[tuple]]:
 def train(head, embed, data, teacher, index, sampled, greedy, token_ids, pad: int, args) -> dict:
     """Trains for --minutes (or until --patience evaluations bring no step-1 acceptance gain of 0.002)."""
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    source = train_batches(data, teacher, args.batch_size, args.seed, pad)
+    source = train_batches(data, teacher, args.batch_size, args.seed, pad, head.feature_layers)
     history, best, stale = [], -1.0, 0
     start, step, tokens, train_s = time.monotonic(), 0, 0, 0.0
     deadline = start + args.minutes * 60
@@ -432,7 +476,8 @@ def target_time(target, queries: int, iters: int) -> float:
 @torch.inference_mode()
 def head_time(head: EagleHead, embed, token_ids: torch.Tensor, iters: int) -> float:
     """Median seconds of one head forward (1 query, CONTEXT cached head keys) including the greedy pick."""
-    context = head.inputs(embed(torch.randint(10, 4000, (1, CONTEXT))), torch.randn(1, CONTEXT, head.config.hidden_size))
+    width = (len(head.feature_layers) + 1) * head.config.hidden_size
+    context = head.inputs(embed(torch.randint(10, 4000, (1, CONTEXT))), head.fused(torch.randn(1, CONTEXT, width)))
     _, k_ctx, v_ctx = head.qkv(context, torch.arange(CONTEXT))
     token, feat = torch.tensor([[42]]), torch.randn(1, 1, head.config.hidden_size)
     ctx_mask, position = torch.ones(1, CONTEXT, dtype=torch.bool), torch.tensor([CONTEXT])
@@ -492,6 +537,10 @@ def main() -> None:
                     help="bfloat16 autocast in training (on a CPU without native bfloat16, slower than float32)")
     ap.add_argument("--ttt", type=int, default=0, help="extra depths trained on the head's own features")
     ap.add_argument("--init", default="", help="a saved head to continue training (instead of a new one)")
+    ap.add_argument("--feature-layers", default="",
+                    help="fused features (EAGLE-3, arXiv 2503.01840): also read the residual stream after these target "
+                         "layers (a subset of the logits stage's --feature-layers); with --init, a head without them "
+                         "gains a fuse layer that starts as reading f alone")
     ap.add_argument("--k", type=int, default=3, help="drafts per verification in the chained measurement")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--patience", type=int, default=0, help="stop after this many evaluations without gain (0: off)")
@@ -506,21 +555,24 @@ def main() -> None:
     embed = copy.deepcopy(target.get_input_embeddings()).requires_grad_(False)
     data, teacher = torch.load(CACHE / "data.pt"), torch.load(CACHE / "teacher.pt")
     vocab = target.config.vocab_size
-    token_ids = select_vocab(data, teacher, args.draft_vocab, vocab)
+    feature_layers = [int(x) for x in args.feature_layers.split(",") if x]
+    if args.init:  # continue training a saved head; its config decides the architecture and vocabulary
+        head, token_ids = load_head(Path(args.init))
+        args.layer = json.loads((Path(args.init) / "config.json").read_text())["layer_initialised_from_target_layer"]
+        if feature_layers and head.fuse is None:
+            add_fuse(head, feature_layers)
+    else:
+        token_ids = select_vocab(data, teacher, args.draft_vocab, vocab)
+        head = new_head(target, args.layer, token_ids, args.final_norm, args.fc_init, feature_layers)
     index = torch.full((vocab,), -1, dtype=torch.long)
     index[token_ids] = torch.arange(len(token_ids))
-    sampled, greedy = heldout_sets(tok, target, data, token_ids)
+    sampled, greedy = heldout_sets(tok, target, data, token_ids, head.feature_layers)
     summary, draft = {"args": vars(args)}, None
     if args.baseline:
         draft, draft_ids = load_draft(Path(args.baseline), target)
         summary["standalone"] = standalone(draft, draft_ids, Path(args.baseline), greedy, args.k)
         print(f"standalone {args.baseline}: k={args.k} greedy chain {summary['standalone']['chain']}", flush=True)
 
-    if args.init:  # continue training a saved head; its config decides the architecture
-        head, _ = load_head(Path(args.init))
-        args.layer = json.loads((Path(args.init) / "config.json").read_text())["layer_initialised_from_target_layer"]
-    else:
-        head = new_head(target, args.layer, token_ids, args.final_norm, args.fc_init)
     summary["before"] = evaluate(head, embed, sampled, greedy, token_ids, args.k, "before training")
     summary["training"] = train(head, embed, data, teacher, index, sampled, greedy, token_ids, tok.pad_token_id, args)
     out = Path(args.out)

@@ -283,7 +283,7 @@ def test_the_served_head_drafts_what_its_training_script_evaluates(smol, smol_to
     """The engine's EAGLE drafts (the first from the target's feature pool, the second chained from
     the head's own f^) equal those of scripts/train_eagle_draft.head_chain, the evaluation behind
     the head's offline acceptance, at every position the engine drafted from, over the engine's own
-    greedy text (both read the float32 target's final hidden states)."""
+    greedy text (both read the float32 target's features)."""
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.sampling_params import SamplingParams
@@ -309,8 +309,8 @@ def test_the_served_head_drafts_what_its_training_script_evaluates(smol, smol_to
     checked = 0
     for prompt, (request_id, tokens) in zip(prompts, generated):
         with torch.inference_mode():
-            chain = head_chain(head, smol.model.embed_tokens, target_item(smol, prompt + tokens, len(prompt), None),
-                               token_ids, 2)
+            item = target_item(smol, prompt + tokens, len(prompt), None, head.feature_layers)
+            chain = head_chain(head, smol.model.embed_tokens, item, token_ids, 2)
         for _, known, drafts in (d for d in drafted if d[0] == request_id):
             # with `known` tokens the engine drafts tokens known, known + 1: the chain's column known - 2
             assert drafts == chain[:len(drafts), known - 2].tolist()

@@ -200,9 +200,11 @@ class LlamaForCausalLM(nn.Module):
         # a draft with a reduced vocabulary (model_loader.DRAFT_VOCAB_FILE): the target token id
         # of each of its logits' columns, [draft_vocab] int64; None: the whole vocabulary
         self.vocab_token_ids: torch.Tensor | None = None
-        # for an EAGLE draft (backend/model/eagle.py): every computed position's final normed hidden
-        # state goes here, at its KV slot ([slots + 1, hidden]: padding rows write the last); None: not kept
+        # for an EAGLE draft (backend/model/eagle.py): every computed position's features go here, at its
+        # KV slot ([slots + 1, (len(feature_layers) + 1) x hidden]: the residual stream after each of
+        # feature_layers, then the final normed hidden state; padding rows write the last); None: not kept
         self.feature_pool: torch.Tensor | None = None
+        self.feature_layers: tuple[int, ...] = ()
 
     def forward(
         self,
@@ -221,14 +223,18 @@ class LlamaForCausalLM(nn.Module):
             x, residual = self.model.embed_tokens(input_ids), None
         else:
             x, residual = intermediate
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        streams = []  # the residual stream after each of feature_layers, for the EAGLE head
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x, residual = layer(positions, x, residual, kv_cache, attn, meta)
+            if self.feature_pool is not None and i in self.feature_layers:
+                streams.append(x + residual)
         if self.lm_head is None:
             return x, residual
         if self.feature_pool is not None:  # every position's, for the EAGLE head
             x, _ = self.model.norm(x, residual)
             slots = meta.slot_mapping
-            self.feature_pool.index_copy_(0, torch.where(slots < 0, self.feature_pool.shape[0] - 1, slots), x)
+            rows = torch.where(slots < 0, self.feature_pool.shape[0] - 1, slots)
+            self.feature_pool.index_copy_(0, rows, torch.cat([*streams, x], -1) if streams else x)
             return self.lm_head(x[logits_indices]).float()
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()

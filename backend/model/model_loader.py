@@ -270,6 +270,7 @@ def load_eagle_head(head_dir: str | Path, target: LlamaForCausalLM, dtype: str, 
         config = json.loads((head_dir / "config.json").read_text())
         layer_config = LlamaConfig.from_dict(config["decoder_layer"])
         final_norm = bool(config["final_norm"])
+        feature_layers = tuple(config.get("feature_layers", ()))
         if config.get("architecture") != eagle.ARCHITECTURE:
             raise ValueError(f"architecture {config.get('architecture')!r} is not {eagle.ARCHITECTURE!r}")
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -281,11 +282,17 @@ def load_eagle_head(head_dir: str | Path, target: LlamaForCausalLM, dtype: str, 
     if args.hidden_size != target.args.hidden_size:
         raise ValidationError("draft_model", f"an EAGLE head of width {args.hidden_size} cannot read the target's "
                               f"hidden states of width {target.args.hidden_size}")
+    layers = target.args.num_layers
+    if (not all(type(i) is int and 0 <= i < layers - 1 for i in feature_layers)
+            or list(feature_layers) != sorted(set(feature_layers))):
+        raise ValidationError("draft_model", f"feature_layers {list(feature_layers)} must be increasing target layers "
+                              f"in [0, {layers - 1}) (the last layer's output is f itself)")
     token_ids = load_draft_vocab(head_dir / DRAFT_VOCAB_FILE, target.args.vocab_size)
     inv_freq, scaling = rope_inverse_frequencies(layer_config, args.head_dim)
     rows = len(token_ids) if token_ids is not None else target.args.vocab_size
     with torch.device("meta"):
-        head = eagle.EagleHead(args, RotaryEmbedding(inv_freq.to("meta"), scaling, 1), rows, final_norm)
+        head = eagle.EagleHead(args, RotaryEmbedding(inv_freq.to("meta"), scaling, 1), rows, final_norm,
+                               feature_layers)
     head = head.to_empty(device=device).to(TORCH_DTYPES[dtype])
     head.layer.self_attn.rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
     try:

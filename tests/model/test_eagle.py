@@ -1,7 +1,8 @@
 """EAGLE heads (backend/model/eagle.py, backend/spec/eagle_proposer.py): the head's logits equal its
-definition computed with HF transformers' own Llama layer on HF's hidden states; speculation with a
-head stays greedy-identical to plain decoding (preemption, a reduced vocabulary, tensor
-parallelism) and samples the target's exact distribution; bad heads and configs are refused."""
+definition computed with HF transformers' own Llama layer on HF's hidden states (fused features from
+several target layers too); speculation with a head stays greedy-identical to plain decoding
+(preemption, a reduced vocabulary, tensor parallelism, fused features) and samples the target's
+exact distribution; bad heads and configs are refused."""
 from __future__ import annotations
 
 import json
@@ -24,8 +25,10 @@ from tests.model.test_speculative import assert_speculation_follows_target
 
 
 def write_eagle_head(target: Path, out: Path, seed: int = 0, final_norm: bool = True,
-                     token_ids: list[int] | None = None, scale: float = 0.05) -> Path:
-    """A head for `target` in the format scripts/train_eagle_draft.py saves, random weights."""
+                     token_ids: list[int] | None = None, scale: float = 0.05,
+                     feature_layers: tuple[int, ...] = ()) -> Path:
+    """A head for `target` in the format scripts/train_eagle_draft.py saves, random weights; with
+    feature_layers, fused features from those target layers."""
     config = json.loads((target / "config.json").read_text())
     config["num_hidden_layers"] = 1
     hidden, inter = config["hidden_size"], config["intermediate_size"]
@@ -47,12 +50,15 @@ def write_eagle_head(target: Path, out: Path, seed: int = 0, final_norm: bool = 
     }
     if final_norm:
         weights["norm.weight"] = 1 + randn(hidden)
+    if feature_layers:
+        weights["fuse.weight"] = randn(hidden, (len(feature_layers) + 1) * hidden) * 10
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, out / "model.safetensors")
     if token_ids is not None:
         save_file({"token_ids": torch.tensor(token_ids, dtype=torch.int64)}, out / "draft_vocab.safetensors")
     (out / "config.json").write_text(json.dumps({
-        "architecture": "eagle_head", "hidden_size": hidden, "final_norm": final_norm, "decoder_layer": config}))
+        "architecture": "eagle_head", "hidden_size": hidden, "final_norm": final_norm, "decoder_layer": config,
+        "feature_layers": list(feature_layers)}))
     return out
 
 
@@ -65,22 +71,27 @@ def eagle_engine(target, head_dir, **knobs) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(target), speculative_method="eagle", draft_model=str(head_dir), **knobs))
 
 
-@pytest.mark.parametrize("final_norm", [True, False])
-def test_head_logits_equal_hf_layers_on_hf_hidden_states(tiny_llama, tmp_path, final_norm):
+@pytest.mark.parametrize("final_norm, feature_layers", [(True, ()), (False, ()), (True, (0, 2))])
+def test_head_logits_equal_hf_layers_on_hf_hidden_states(tiny_llama, tmp_path, final_norm, feature_layers):
     """The head's first forward over a prompt, reading the features the engine's target wrote,
-    gives at every position t the logits of lm_head(norm(LlamaDecoderLayer(fc([embed(x_t+1); f_t]))))
-    with HF's own layer (causal) on HF's last_hidden_state."""
+    gives at every position t the logits of lm_head(norm(LlamaDecoderLayer(fc([embed(x_t+1); g_t]))))
+    with HF's own layer (causal) on HF's last_hidden_state f_t: g_t = f_t, or with fused features
+    fuse([rms(h_0,t); rms(h_2,t); f_t]) over the outputs of HF's layers 0 and 2 of a 4-layer target."""
     from transformers.models.llama.modeling_llama import (
         LlamaDecoderLayer,
         LlamaRotaryEmbedding,
     )
 
-    head_dir = write_eagle_head(tiny_llama, tmp_path / "head", seed=3, final_norm=final_norm)
+    if feature_layers:
+        tiny_llama = write_tiny_model(tmp_path / "deeper", "llama", seed=4, num_hidden_layers=4)
+    head_dir = write_eagle_head(tiny_llama, tmp_path / "head", seed=3, final_norm=final_norm,
+                                feature_layers=feature_layers)
     cpu, prompt = torch.device("cpu"), [5, 9, 200, 17, 3, 3, 40, 11, 64]
     target, _ = load_model(tiny_llama, "float32", cpu, 64)
     head = load_eagle_head(head_dir, target, "float32", cpu, 64)
-    pool = torch.zeros(4 * 16 + 1, target.args.hidden_size)
+    pool = torch.zeros(4 * 16 + 1, head.feature_width)
     target.feature_pool = head.feature_pool = pool
+    target.feature_layers = head.feature_layers
     runner = ModelRunner(target, TorchAttention(), num_blocks=4, block_size=16, device=cpu, dtype=torch.float32)
     step = StepInput([], [], [], [])
     step.add(prompt, 0, [0], 1)
@@ -95,9 +106,16 @@ def test_head_logits_equal_hf_layers_on_hf_hidden_states(tiny_llama, tmp_path, f
     config = LlamaConfig.from_dict(json.loads((head_dir / "config.json").read_text())["decoder_layer"])
     layer = LlamaDecoderLayer(config, layer_idx=0).eval()
     layer.load_state_dict({k[len("layer."):]: v for k, v in weights.items() if k.startswith("layer.")})
+    streams = []
+    for i in feature_layers:
+        hf.model.layers[i].register_forward_hook(
+            lambda module, inputs, out: streams.append((out[0] if isinstance(out, tuple) else out)[0, :-1]))
     with torch.no_grad():
         ids = torch.tensor([prompt])
         f = hf.model(ids).last_hidden_state[0, :-1]  # f_0 .. f_{n-2}
+        if feature_layers:
+            unit = [h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) for h in streams]
+            f = torch.cat([*unit, f], -1) @ weights["fuse.weight"].T
         x = torch.cat([hf.model.embed_tokens(ids[0, 1:]), f], -1) @ weights["fc.weight"].T + weights["fc.bias"]
         n = x.shape[0]
         positions = torch.arange(n)[None]
@@ -130,6 +148,22 @@ def test_greedy_identical_to_plain_decoding(tiny_llama, head, knobs):
         assert stats.spec_draft_tokens_total > 0
         if "num_kv_blocks" in knobs:
             assert engine.scheduler.num_preemptions > 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("knobs", [{}, {"tensor_parallel_size": 2}])
+def test_fused_features_greedy_identical_to_plain_decoding(tmp_path, knobs):
+    """A head whose features fuse the residual streams after target layers 0 and 2 of 4."""
+    target = write_tiny_model(tmp_path / "t", "llama", seed=4, num_hidden_layers=4)
+    head_dir = write_eagle_head(target, tmp_path / "head", seed=2, feature_layers=(0, 2))
+    prompts, max_tokens = mixed_prompts(16, seed=5)
+    plain = run_engine(LLMEngine(EngineConfig(model=str(target))), prompts, max_tokens)
+    engine = eagle_engine(target, head_dir, adaptive_speculation=False, **knobs)
+    try:
+        assert engine.model.feature_pool.shape[1] == 3 * engine.model.args.hidden_size
+        assert run_engine(engine, prompts, max_tokens) == plain
+        assert engine.stats().spec_draft_tokens_total > 0
     finally:
         engine.close()
 
@@ -174,6 +208,9 @@ def _drop_weight(out: Path) -> None:
     (_edit_config(architecture="LlamaForCausalLM"), "not an EAGLE head"),
     (lambda out: (out / "config.json").write_text("{"), "not an EAGLE head"),
     (_drop_weight, "weights missing"),
+    (_edit_config(feature_layers=[1]), "feature_layers \\[1\\] must be increasing target layers in \\[0, 1\\)"),
+    (_edit_config(feature_layers=[0, 0]), "feature_layers"),
+    (_edit_config(feature_layers="0"), "feature_layers"),
 ])
 def test_a_bad_head_is_a_startup_error_naming_draft_model(tiny_llama, head, tmp_path, change, message):
     with pytest.raises(ValidationError, match=f"draft_model: {message}"):
