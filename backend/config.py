@@ -10,7 +10,7 @@ from backend.errors import ValidationError
 
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("none", "draft", "eagle", "ngram")
-QUANTIZATION_MODES = ("none", "int8", "int4")  # weight-only (backend/model/quantized_linear.py)
+QUANTIZATION_MODES = ("none", "int8", "int4", "fp8")  # backend/model/quantized_linear.py
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
@@ -26,7 +26,7 @@ class EngineConfig:
     model: str  # local HF checkpoint directory (config.json, *.safetensors, tokenizer)
     tokenizer: str | None = None  # defaults to `model`
     dtype: str = "float32"
-    quantization: str = "none"  # the target's weights: "none", "int8" (per row), "int4" (per group)
+    quantization: str = "none"  # the target's weights: "none", "int8" (per row), "int4" (per group), "fp8"
     quantization_group_size: int = 32  # int4: input columns sharing a scale and minimum (32, 64, 128)
     # CPU, int8/int4: rows of input from which a layer multiplies by a bfloat16 copy of its weight
     # (prefill, large batches); 0: timed per weight shape at load; -1: never (no copy kept)

@@ -156,7 +156,7 @@ class LLMEngine:
             m.use_triton_kernels(self.attention.name == "triton")  # RMSNorm and SiLU-multiply too
             if self.attention.name == "triton" and self.device.type == "cuda":
                 self.linear_choices[name] = tune_small_batch_linears(m)
-        if config.quantization != "none" and self.device.type == "cpu":  # (the target's layers only)
+        if config.quantization in ("int8", "int4") and self.device.type == "cpu":  # (the target's layers only)
             self.linear_choices["target"] = tune_quantized_linears(model, config.quantization_dense_rows)
         elif self.device.type == "cpu" and config.tensor_parallel_size == 1:  # (a float32 target's lm_head)
             self.linear_choices["target"] = tune_cpu_head(model)

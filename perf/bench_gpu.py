@@ -13,6 +13,12 @@ tokens must agree; a fast wrong engine is a bug).
     python perf/bench_gpu.py                 # the 1B shape (CUDA)
     python perf/bench_gpu.py --shape 8b --default-only   # Llama-3.1-8B shape: the default engine and HF
     python perf/bench_gpu.py --tiny          # a tiny shape, runs on CPU too (a smoke run)
+    python perf/bench_gpu.py --default-only --quantization fp8   # + the default engine with FP8 weights
+
+With --quantization fp8 the default engine runs a second time with FP8 weights (quantized at load
+from the same checkpoint), and a table sets both side by side: batch-1 ms/token and tok/s against
+each one's floor (its own weight bytes over the HBM bandwidth), and how many of the FP8 engine's
+greedy tokens on the check prompts equal the bf16 engine's.
 """
 from __future__ import annotations
 
@@ -56,6 +62,25 @@ def write_model(path: Path, shape: dict, device: torch.device) -> int:
     # any tokenizer serves: the output text is not measured (ids past its vocabulary decode to "")
     AutoTokenizer.from_pretrained(str(TINY_PAIR / "target")).save_pretrained(path)
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def model_bytes(model) -> int:
+    """Bytes of the model's weights as the engine holds them (parameters and buffers: FP8 weights and
+    their scales), the rotary tables left out."""
+    return sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if "rotary" not in name)
+
+
+def same_greedy_tokens(engine: LLMEngine, prompts: list[list[int]], reference: dict) -> str:
+    """How many of `reference`'s greedy tokens (8 per prompt, by request in order) this engine gives."""
+    got: dict = {}
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+    pairs = list(zip(got.values(), reference.values()))
+    return f"{sum(a == b for mine, ref in pairs for a, b in zip(mine, ref))}/{sum(len(ref) for _, ref in pairs)}"
 
 
 def sync(device: torch.device) -> None:
@@ -211,6 +236,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="the engines' token budget per step (prompt chunks and decodes together)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--quantization", choices=["fp8", "int8", "int4"], default=None,
+                    help="also run the default engine with these weights, side by side with the float one")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = SHAPE_TINY if args.tiny else SHAPES[args.shape]
@@ -250,6 +277,7 @@ def main() -> None:
                              "us (torch, gemv) by rows": {rows: [round(t * 1e6, 1) for t in pair]
                                                           for rows, pair in c["seconds (torch, gemv) by rows"].items()}}
             for (out, inp), c in engine.linear_choices.get("target", {}).items()
+            if "gemv_max_rows" in c  # (a CPU's choices are of other kernels)
         }
 
         # correctness first: greedy tokens agree with HF on a few prompts
@@ -281,6 +309,13 @@ def main() -> None:
         modes = {"overlapped steps": engine}
         if not args.default_only:
             modes["plain steps"] = LLMEngine(EngineConfig(**knobs, async_scheduling=False))
+        quantized_label = f"overlapped steps, {args.quantization}"
+        if args.quantization:
+            quantized = LLMEngine(EngineConfig(**knobs, async_scheduling=True, quantization=args.quantization))
+            modes[quantized_label] = quantized
+            results[quantized_label + " weight_bytes"] = model_bytes(quantized.model)
+            results[quantized_label + " greedy tokens equal to the float engine"] = \
+                same_greedy_tokens(quantized, check, got)
         for label, e in modes.items():
             times = StepTimes(e)
             engine_decode_latency(e, prompt512, 16)  # warm-up
@@ -326,6 +361,20 @@ def main() -> None:
             idle = 1 - k["gpu_forward_s"] / k["wall_s"] if k["gpu_forward_s"] else float("nan")
             print(f"| {kind} | {k['steps']} | {k['mean_requests']:.0f} | {k['tokens_out']:,} | {k['wall_s']:.2f} | "
                   f"{k['gpu_forward_s']:.2f} | {idle:.0%} |")
+    if args.quantization:
+        q = results[quantized_label]
+        q_bytes = results[quantized_label + " weight_bytes"]
+        q_floor = q_bytes / (args.hbm_tbps * 1e12) * 1e3
+        equal = results[quantized_label + " greedy tokens equal to the float engine"]
+        print(f"\n{args.quantization} weights beside {dtype} (the default engine, same prompts; greedy tokens equal to "
+              f"the {dtype} engine's: {equal})\n")
+        print(f"| weights | bytes | batch-1 ms/token | floor | over floor | {n} requests tok/s | vs float |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        print(f"| {dtype} | {weight_bytes / 1e9:.2f} GB | {best['ms_per_token']:.3f} | {floor_ms:.3f} | "
+              f"{best['ms_per_token'] / floor_ms:.2f}x | {best['tok_s']:,.0f} | 1.00x |")
+        print(f"| {args.quantization} | {q_bytes / 1e9:.2f} GB | {q['ms_per_token']:.3f} | {q_floor:.3f} | "
+              f"{q['ms_per_token'] / q_floor:.2f}x | {q['tok_s']:,.0f} | {q['tok_s'] / best['tok_s']:.2f}x tok/s, "
+              f"{best['ms_per_token'] / q['ms_per_token']:.2f}x batch 1 |")
     if "kernels" in results:
         print("\ndecode steps, GPU kernels (overlapped steps):\n" + results["kernels"])
     if results.get("small_batch_linears"):

@@ -1,5 +1,6 @@
-"""Weight-only quantization of the default model (`quantization`: int8, int4 by group size): quality
-against float32 and the batch-1 step against the floor of the bytes it reads, all in one run.
+"""Quantization of the default model (`quantization`: int8, int4 by group size; fp8, whose products a
+CPU only emulates, for its quality): quality against float32 and the batch-1 step against the
+floor of the bytes it reads, all in one run.
 
 Quality, on the held-out chat and code prompts (scripts/chat_prompts.py, chat template), greedy:
   agreement   teacher-forced top-1 agreement with float32: each mode's argmax at every position of
@@ -39,6 +40,7 @@ MODES = {  # name -> (quantization, group size)
     "int8": ("int8", 32),
     "int4 g32": ("int4", 32),
     "int4 g64": ("int4", 64),
+    "fp8": ("fp8", 32),  # (for its quality: a CPU runs FP8 products slowly)
 }
 
 

@@ -3,15 +3,15 @@
 # replays and host waits per step, plain and speculating, overlapped or not), tensor parallelism on
 # one GPU (NCCL world of one in CUDA graphs, two ranks on the GPU), decode-attention and
 # small-batch linear bandwidth, end to end vs HF at the 1B and 8B shapes, speculation with a draft
-# of set acceptance, host work per step.
+# of set acceptance, host work per step, FP8 weights beside bf16.
 # Usage (on a CUDA machine, repo root): OUT=/some/dir bash perf/gpu_check.sh [e2e] [steps] [spec] [e2e8b] [tests]
-#   [model] [multigpu] [bandwidth] [host]
+#   [model] [multigpu] [bandwidth] [host] [fp8]
 # (no arguments: all; sections run in the order named). The engine's own dependencies (msgspec,
 # pyzmq, xgrammar, tritonclient, ...) travel as wheels: `bash perf/gpu_wheels.sh` here, carry .gpuw,
 # and there install them first (the header of gpu_wheels.sh has the line).
 set -u
 OUT=${OUT:-perf/results/gpu}
-STEPS=${*:-e2e steps spec e2e8b tests model multigpu bandwidth host}
+STEPS=${*:-e2e steps spec e2e8b tests model multigpu bandwidth host fp8}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -62,6 +62,15 @@ e2e() {
   echo "== end to end, Llama-3.2-1B shape, bf16"
   timeout 220 $PY perf/bench_gpu.py --hf-requests 32 --json "$OUT/bench_gpu.json" 2>&1 | grep -v -E "Loading|Writing" \
     | tee -a "$OUT/bench_gpu.txt" | tail -40
+}
+fp8() {
+  echo "== FP8 weights beside bf16, Llama-3.2-1B shape: batch-1 ms/token and 256 requests, each against its floor" \
+    | tee -a "$OUT/bench_gpu.txt"
+  timeout 300 $PY perf/bench_gpu.py --default-only --quantization fp8 --hf-requests 8 2>&1 \
+    | grep -v -E "Loading|Writing" | tee -a "$OUT/bench_gpu.txt" | tail -24
+  echo "== FP8 kernel and model tests on CUDA" | tee -a "$OUT/tests.txt"
+  timeout 120 $PY -m pytest tests/kernels/test_gemv.py tests/kernels/test_engine_triton_backend.py \
+    tests/model/test_quantization.py -q --timeout 60 -p no:cacheprovider -k "fp8" 2>&1 | tail -15 | tee -a "$OUT/tests.txt"
 }
 e2e8b() {
   echo "== end to end, Llama-3.1-8B shape, bf16: the default engine against its floor (16 GB / 4.25 TB/s = 3.8 ms) and HF" \

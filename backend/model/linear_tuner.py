@@ -1,7 +1,8 @@
 """Per weight shape, which kernel multiplies, timed at startup: on CUDA torch's matmul or the Triton
-small-batch kernel; on a CPU with weight-only quantization, the packed kernel or a dense bfloat16
-copy of the weight (`tune_quantized_linears`); on a CPU in float32, torch's matmul or oneDNN's on
-a copy of the lm_head's weight in its layout (`tune_cpu_head`).
+small-batch kernel (with FP8 weights: torch's `_scaled_mm` or the kernel's FP8 form); on a CPU
+with weight-only quantization, the packed kernel or a dense bfloat16 copy of the weight
+(`tune_quantized_linears`); on a CPU in float32, torch's matmul or oneDNN's on a copy of the
+lm_head's weight in its layout (`tune_cpu_head`).
 
 At batch 1-16 a linear layer reads its whole weight for a few rows of output; which kernel reads
 it faster depends on the shape and the GPU. For each distinct weight shape of a model the tuner
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.model.model import Linear
-from backend.model.quantized_linear import KERNEL_DTYPE, RescoredHead, WeightOnlyLinear
+from backend.model.quantized_linear import KERNEL_DTYPE, Fp8Linear, RescoredHead, WeightOnlyLinear
 from kernels.gemv import MAX_ROWS, gemv
 
 ROW_COUNTS = (1, 2, 4, 8, MAX_ROWS)
@@ -69,12 +70,15 @@ def rows_for_gemv(times: dict[int, tuple[float, float]]) -> int:
 
 
 def tune_small_batch_linears(model: nn.Module) -> dict[tuple[int, int], dict]:
-    """Sets every Linear's `gemv_max_rows`; returns, per weight shape (out, in), the rows chosen
-    and both kernels' times at each row count measured ({} when tuning failed)."""
-    by_shape: dict[tuple[int, int], list[Linear]] = {}
+    """Sets every Linear's and FP8 layer's `gemv_max_rows`; returns, per weight shape (out, in),
+    the rows chosen and both kernels' times at each row count measured ({} when tuning failed).
+    (A model's FP8 layers and its float ones, the lm_head, have different shapes.)"""
+    by_shape: dict[tuple[int, int], list[Linear | Fp8Linear]] = {}
     for module in model.modules():
         if isinstance(module, Linear) and module.quantized is None:  # (quantized: its own kernels)
             by_shape.setdefault(tuple(module.weight.shape), []).append(module)
+        elif isinstance(module, Fp8Linear):
+            by_shape.setdefault(module.weight_shape, []).append(module)
     try:
         return _tune(model, by_shape)
     except Exception as e:
@@ -85,20 +89,27 @@ def tune_small_batch_linears(model: nn.Module) -> dict[tuple[int, int], dict]:
         return {}
 
 
+def _products(layer: Linear | Fp8Linear):
+    """(torch's product, the kernel's) of a layer, each x -> y."""
+    if isinstance(layer, Fp8Linear):
+        return layer.scaled_product, lambda x: gemv(x, layer.qweight, layer.bias, weight_scale=layer.scale)
+    weight, bias = layer.weight, layer.bias
+    return lambda x: F.linear(x, weight, bias), lambda x: gemv(x, weight, bias)
+
+
 @torch.inference_mode()
-def _tune(model: nn.Module, by_shape: dict[tuple[int, int], list[Linear]]) -> dict[tuple[int, int], dict]:
+def _tune(model: nn.Module, by_shape: dict[tuple[int, int], list[Linear | Fp8Linear]]) -> dict[tuple[int, int], dict]:
     if not by_shape:
         return {}
-    device = next(model.parameters()).device
+    device, dtype = next((p.device, p.dtype) for p in model.parameters())  # (the activations' dtype)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     report = {}
     for shape, modules in by_shape.items():
-        weight, bias = modules[0].weight, modules[0].bias
+        torch_product, kernel_product = _products(modules[0])
         times = {}
         for rows in ROW_COUNTS:
-            x = torch.randn(rows, shape[1], dtype=weight.dtype, device=device)
-            times[rows] = (time_call(lambda: F.linear(x, weight, bias), flush),
-                           time_call(lambda: gemv(x, weight, bias), flush))
+            x = torch.randn(rows, shape[1], dtype=dtype, device=device)
+            times[rows] = (time_call(lambda: torch_product(x), flush), time_call(lambda: kernel_product(x), flush))
             if times[rows][1] >= times[rows][0]:
                 break  # more rows only favour torch's matmul further
         chosen = rows_for_gemv(times)

@@ -5,6 +5,8 @@ weights' bytes over the memory bandwidth; fewer bytes per weight is the whole ga
 
     int8   w = q * scale[n]                       q in [-127, 127], one scale per output row
     int4   w = q * scale[n, g] + minimum[n, g]    q in [0, 15], per group of `group_size` inputs
+    fp8    w = q * scale[n]                       q float8_e4m3fn, one scale per output row; each
+                                                  row of input quantized to FP8 the same way per call
 
 The lm_head is quantized the same way, and each row's 32 highest logits are then computed again
 from its float weight (`RescoredHead`: the embedding table when tied, so nothing is copied): on the
@@ -27,6 +29,16 @@ is several times faster. A layer can keep a bfloat16 copy of its dequantized wei
 layout, `prepack`) and use it from `dense_min_rows` rows of input on (`use_dense_from`;
 backend/model/linear_tuner.py times both per weight shape at load). Compiled decode steps keep the packed kernels: a branch on the row count
 would split their graph in two.
+
+`fp8` is for GPUs with FP8 tensor cores (compute capability 8.9 on: Ada, Hopper), as vLLM's
+dynamic FP8: weights and activations both FP8 with per-row scales, multiplied by torch's
+`_scaled_mm` (summing in float32), and up to `gemv_max_rows` rows of input by the Triton
+small-batch kernel, which reads the FP8 weight, quantizes the input rows the same way and
+multiplies exactly (kernels/gemv.py; backend/model/linear_tuner.py times the two per shape at
+load). It halves a bfloat16 model's weight bytes, so a decode step bound by reading them takes up
+to half the time. The lm_head stays in the model's dtype (as in vLLM's FP8 checkpoints): its
+logits choose the tokens. On a CPU, torch's `_scaled_mm` gives the same products, slowly: for
+measuring FP8's quality, not for serving.
 """
 from __future__ import annotations
 
@@ -40,6 +52,7 @@ from backend.config import check_quantization
 from backend.errors import ValidationError
 from backend.model.model import Linear
 from backend.model.tensor_parallel import ParallelLMHead
+from kernels.gemv import fp8_scales, gemv, to_fp8
 
 KERNEL_DTYPE = torch.bfloat16  # the packed CPU kernels' activations, scales and output
 INT4_ROWS = 16  # the packed int4 layout holds output rows in multiples of this (padded with zeros)
@@ -195,6 +208,60 @@ class Int4Linear(WeightOnlyLinear):
         return y if self.bias is None else y + self.bias
 
 
+FP8_WIDTH_MULTIPLE = 16  # _scaled_mm's rule for both widths of a weight
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ w.T + bias with w in FP8 (`qweight` [out, in] float8_e4m3fn, `scale` [out] float32)
+    and x's rows quantized to FP8 per call; `gemv_max_rows`: the rows up to which the Triton kernel
+    multiplies (0: never; set by backend/model/linear_tuner.py on CUDA)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        check_fp8_device(weight.device)
+        if weight.shape[0] % FP8_WIDTH_MULTIPLE or weight.shape[1] % FP8_WIDTH_MULTIPLE:
+            raise ValidationError("quantization", f"fp8 needs every layer's widths to be multiples of "
+                                                  f"{FP8_WIDTH_MULTIPLE}, got a {tuple(weight.shape)} weight")
+        self.weight_shape = tuple(weight.shape)  # (out, in)
+        w = weight.detach().float()
+        scale = fp8_scales(w)
+        self.register_buffer("qweight", to_fp8(w, scale))
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.gemv_max_rows = 0
+
+    def dequantized_weight(self) -> torch.Tensor:  # [out, in] float32
+        return self.qweight.float() * self.scale[:, None]
+
+    def scaled_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, out] through torch's `_scaled_mm` (bfloat16 out on CUDA: its only
+        output for per-row scales)."""
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.weight_shape[0])
+        x_scale = fp8_scales(x)
+        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        y = torch._scaled_mm(to_fp8(x, x_scale), self.qweight.t(), scale_a=x_scale[:, None],
+                             scale_b=self.scale[None, :], out_dtype=out_dtype)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = _rows(x)
+        if rows.shape[0] <= self.gemv_max_rows:
+            y = gemv(rows, self.qweight, self.bias, weight_scale=self.scale)
+        else:
+            y = self.scaled_product(rows)
+        return _unflatten(y, x)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        have = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ValidationError("quantization", f"fp8 needs a GPU of compute capability 8.9 or later (Ada, "
+                                              f"Hopper); this one has {have}")
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as the 2-D input the packed kernels take (the engine's activations already are)."""
     return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -231,8 +298,10 @@ HEAD_CANDIDATES = 32
 
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int = 32,
                      lm_head: bool = False) -> nn.Module:
-    """The quantized form of y = x @ weight.T + bias ("int8" or "int4"); an lm_head's is a
-    RescoredHead over it."""
+    """The quantized form of y = x @ weight.T + bias ("int8", "int4" or "fp8"); an lm_head's is a
+    RescoredHead over it (not made for fp8, whose lm_head stays as it is)."""
+    if mode == "fp8":
+        return Fp8Linear(weight, bias)
     layer = Int8Linear(weight, bias) if mode == "int8" else Int4Linear(weight, bias, group_size)
     return RescoredHead(layer, weight, bias, HEAD_CANDIDATES) if lm_head else layer
 
@@ -242,12 +311,15 @@ def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
     tensor-parallel ones, and the lm_head, rescored from its float weight, which it keeps: a tied
     one shares it with the embedding table, which stays as it is). Each keeps its own forward
     (a row-parallel layer still all-reduces) and multiplies through its `quantized` layer; its float
-    weight is dropped. Returns the bytes of quantized weight ("none": leaves the model, 0)."""
+    weight is dropped. Returns the bytes of quantized weight ("none": leaves the model, 0).
+    fp8 leaves the lm_head as it is."""
     check_quantization(mode, group_size)
     if mode == "none":
         return 0
     total = 0
     for name, module in model.named_modules():
+        if mode == "fp8" and _is_lm_head(name):
+            continue
         if isinstance(module, (Linear, ParallelLMHead)) and module.quantized is None:
             bias = getattr(module, "bias", None)
             module.quantized = quantized_linear(module.weight, bias, mode, group_size, _is_lm_head(name))
@@ -268,8 +340,11 @@ def swap_linears(model: nn.Module, mode: str, group_size: int = 32, dense_rows: 
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
                     head = _is_lm_head(f"{parent_name}.{name}" if parent_name else name)
+                    if mode == "fp8" and head:
+                        continue
                     layer = quantized_linear(child.weight, child.bias, mode, group_size, head)
-                    (layer.quantized if head else layer).use_dense_from(dense_rows if dense_rows > 0 else None)
+                    if mode != "fp8":
+                        (layer.quantized if head else layer).use_dense_from(dense_rows if dense_rows > 0 else None)
                     setattr(parent, name, layer)
     return model
 

@@ -34,9 +34,36 @@ def _use_interpreter() -> None:
             return InterpretedFunction(self.fn)(*args, **kwargs)
 
         JITFunction.__call__ = call_interpreted  # otherwise: "Cannot call @triton.jit'd outside of ..."
+    _round_fp8_downcasts_to_nearest()
     for name in TRITON_MODULES:
         if name in sys.modules:
             importlib.reload(sys.modules[name])
+
+
+def _round_fp8_downcasts_to_nearest() -> None:
+    """The interpreter narrows a float to float8e4nv by dropping mantissa bits and adding the first
+    dropped one without carrying it into the exponent (124.3 becomes 64, not 128; a GPU's
+    conversion gives 128); such downcasts go through torch's conversion instead, which rounds to
+    nearest even and saturates as the GPU's does."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert_float = interpreter._convert_float
+    if getattr(convert_float, "rounds_fp8", False):
+        return
+    float_types = {tl.float32: (np.float32, torch.float32), tl.float16: (np.float16, torch.float16)}
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype in float_types:
+            np_type, torch_type = float_types[input_dtype]
+            values = torch.from_numpy(np.frombuffer(data.tobytes(), dtype=np_type).copy()).to(torch_type)
+            out = values.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return out.reshape(data.shape)
+        return convert_float(data, input_dtype, output_dtype, rounding_mode)
+
+    convert.rounds_fp8 = True
+    interpreter._convert_float = convert
 
 
 if not torch.cuda.is_available():

@@ -64,3 +64,39 @@ def test_linear_tuner_times_every_weight_shape_and_sets_the_layers(tiny_llama):
         assert all(list(c["seconds (torch, gemv) by rows"]) == [ROW_COUNTS[0]] for c in report.values())
     assert rows_for_gemv({1: (2.0, 1.0), 2: (2.0, 1.5), 4: (2.0, 2.5), 8: (2.0, 1.0)}) == 2  # up to the first loss
     assert rows_for_gemv({1: (1.0, 1.0)}) == 0  # a tie keeps torch's matmul
+
+
+def test_fp8_layers_through_the_small_batch_kernel_match_torch_scaled_product(tiny_llama, monkeypatch):
+    """quantization="fp8": every FP8 layer through the Triton kernel wherever a step has few enough
+    rows gives the greedy tokens of torch's _scaled_mm everywhere (the two quantize x alike and
+    differ only in summation order); the tuner times both for every FP8 shape."""
+    import backend.model.quantized_linear
+    from backend.model.linear_tuner import tune_small_batch_linears
+    from backend.model.quantized_linear import Fp8Linear
+    from kernels.gemv import MAX_ROWS
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    prompts = [[5, 17, 99, 42, 7], list(range(10, 40)), [200] * 3]
+    max_tokens = [6, 4, 8]
+    knobs = dict(model=str(tiny_llama), device=device, dtype=dtype, quantization="fp8", attention_backend="triton",
+                 block_size=8, max_num_batched_tokens=24, num_kv_blocks=64)
+    engines = LLMEngine(EngineConfig(**knobs)), LLMEngine(EngineConfig(**knobs))
+    fp8_layers = [[m for m in e.model.modules() if isinstance(m, Fp8Linear)] for e in engines]
+    assert len(fp8_layers[0]) == 4 * len(engines[0].model.model.layers)  # all but the lm_head
+    for scaled, kernel in zip(*fp8_layers):
+        scaled.gemv_max_rows, kernel.gemv_max_rows = 0, MAX_ROWS
+    rows, real_gemv = [], backend.model.quantized_linear.gemv
+
+    def counted_gemv(x, weight, bias, **kwargs):
+        rows.append(x.shape[0])
+        return real_gemv(x, weight, bias, **kwargs)
+
+    scaled_tokens = run_engine(engines[0], prompts, max_tokens)
+    monkeypatch.setattr(backend.model.quantized_linear, "gemv", counted_gemv)
+    assert run_engine(engines[1], prompts, max_tokens) == scaled_tokens
+    assert len(rows) > len(fp8_layers[1]) and max(rows) <= MAX_ROWS
+    report = tune_small_batch_linears(engines[1].model)
+    assert {layer.weight_shape for layer in fp8_layers[1]} <= set(report)
+    if not torch.cuda.is_available():  # interpreted: the kernel loses everywhere
+        assert all(layer.gemv_max_rows == 0 for layer in fp8_layers[1])

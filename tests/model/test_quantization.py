@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.model.model import Linear
-from backend.model.quantized_linear import Int4Linear, Int8Linear, RescoredHead, swap_linears
+from backend.model.quantized_linear import Fp8Linear, Int4Linear, Int8Linear, RescoredHead, swap_linears
 from tests.model.test_engine_vs_hf import mixed_prompts, run_engine
 
 
@@ -52,12 +52,28 @@ def test_quantized_engine_matches_hf_with_the_same_layers(arch, mode, group_size
     assert got == hf_quantized_greedy(model_dir, mode, group_size, prompts, max_tokens, dense_rows)
 
 
-def test_quantization_changes_the_output_of_a_random_model(tiny_llama):
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_fp8_engine_matches_hf_with_the_same_layers(arch, request):
+    """FP8 weights and activations (torch's _scaled_mm here; on CUDA the Triton kernel for few
+    rows): HF's greedy tokens with the same layers; the lm_head stays float."""
+    model_dir = request.getfixturevalue(arch)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), quantization="fp8", max_num_batched_tokens=48,
+                                    num_threads=1))
+    layers = [m for m in engine.model.model.modules() if isinstance(m, Linear)]
+    assert layers and all(isinstance(m.quantized, Fp8Linear) and m.weight is None for m in layers)
+    assert engine.model.lm_head.quantized is None and engine.model.lm_head.weight.dtype == torch.float32
+    prompts, max_tokens = mixed_prompts(12, seed=3)
+    got = run_engine(engine, prompts, max_tokens)
+    assert got == hf_quantized_greedy(model_dir, "fp8", 32, prompts, max_tokens)
+
+
+@pytest.mark.parametrize("mode", ["int4", "fp8"])
+def test_quantization_changes_the_output_of_a_random_model(tiny_llama, mode):
     """The quantized engine is not the float one in disguise: on random weights (no Q4_1 grid)
-    int4's error changes some greedy tokens."""
+    int4's error, and FP8's, changes some greedy tokens."""
     prompts, max_tokens = mixed_prompts(12, seed=3)
     float_out = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama), num_threads=1)), prompts, max_tokens)
-    int4_out = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama), quantization="int4", num_threads=1,
-                                                 quantization_dense_rows=-1)),
-                          prompts, max_tokens)
-    assert int4_out != float_out
+    quantized_out = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama), quantization=mode, num_threads=1,
+                                                      quantization_dense_rows=-1)),
+                               prompts, max_tokens)
+    assert quantized_out != float_out

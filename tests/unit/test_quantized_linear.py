@@ -12,6 +12,7 @@ from backend.errors import ValidationError
 from backend.model.model import Linear
 from backend.model.quantized_linear import (
     HEAD_CANDIDATES,
+    Fp8Linear,
     Int4Linear,
     Int8Linear,
     RescoredHead,
@@ -130,6 +131,39 @@ def test_swap_linears_replaces_torch_linears():
     swap_linears(model, "int8")
     assert isinstance(model[0], Int8Linear) and isinstance(model[2], Int8Linear)
     assert model(torch.randn(2, 32)).shape == (2, 32)
+
+
+def test_fp8_holds_row_scaled_weights_and_multiplies_fp8_rows():
+    """FP8 weights with one scale per row (its absolute maximum maps to 448) and the input's rows
+    quantized per call: torch's _scaled_mm equals the FP8 product written out, and is within FP8's
+    error of the float product."""
+    from kernels.gemv import gemv_fp8_ref
+
+    g = torch.Generator().manual_seed(5)
+    w, bias = torch.randn(48, 64, generator=g) / 8, torch.randn(48, generator=g)
+    layer = Fp8Linear(w, bias)
+    assert layer.qweight.dtype == torch.float8_e4m3fn and layer.scale.dtype == torch.float32
+    torch.testing.assert_close(layer.qweight.float().abs().amax(1), torch.full((48,), 448.0))
+    assert ((layer.dequantized_weight() - w).abs() <= w.abs() / 16 + layer.scale[:, None] * 2**-9).all()
+    x = torch.randn(5, 64, generator=g)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (5, 48)
+    torch.testing.assert_close(y, gemv_fp8_ref(x, layer.qweight, layer.scale, layer.bias), atol=1e-5, rtol=1e-5)
+    assert 0 < float((y - (x @ w.t() + bias)).abs().max()) < 0.2
+    torch.testing.assert_close(layer(x.view(1, 5, 64))[0], y)  # leading dims are flattened
+    assert layer(x[:0]).shape == (0, 48)
+
+
+def test_fp8_leaves_the_lm_head_and_refuses_widths_off_its_multiple():
+    model = nn.ModuleDict({"proj": Linear(32, 48, bias=True), "lm_head": Linear(32, 64, bias=False)})
+    read = quantize_linears(model, "fp8")
+    assert isinstance(model["proj"].quantized, Fp8Linear) and model["lm_head"].quantized is None
+    assert read == 48 * 32 + 48 * 4  # one byte a weight and a float32 scale per row
+    hf = swap_linears(nn.ModuleDict({"proj": nn.Linear(32, 48), "lm_head": nn.Linear(32, 64)}), "fp8")
+    assert isinstance(hf["proj"], Fp8Linear) and type(hf["lm_head"]) is nn.Linear
+    with pytest.raises(ValidationError) as e:
+        Fp8Linear(torch.randn(40, 32), None)
+    assert e.value.field == "quantization" and "multiples of 16" in e.value.message and "(40, 32)" in e.value.message
 
 
 @pytest.mark.parametrize("values, field", [
