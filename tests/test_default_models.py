@@ -347,7 +347,8 @@ def test_sampling_with_the_shipped_eagle_head_follows_the_target(smol, smol_toke
     counts = torch.bincount(torch.tensor([t[1] for t in outputs]), minlength=len(p2)).double()
     keep = p2 * trials > 5
     # the tokens expected more than 5 times, and one bin for all the others
-    expected = torch.cat([p2[keep].double() * trials, torch.tensor([trials - float(p2[keep].sum()) * trials])])
+    kept = p2[keep].double() * trials  # (in float64 throughout: chisquare checks the two sums agree to 1.5e-8)
+    expected = torch.cat([kept, torch.tensor([trials - float(kept.sum())], dtype=torch.float64)])
     observed = torch.cat([counts[keep], torch.tensor([trials - counts[keep].sum()])])
     assert len(expected) > 10 and expected[-1] > 5
     assert chisquare(observed.numpy(), expected.numpy()).pvalue > 0.001

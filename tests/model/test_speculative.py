@@ -219,7 +219,7 @@ def _joint_first_two(rule, trials: int, k: int = 2) -> tuple[torch.Tensor, torch
 def _chi_square_p(rule, trials: int = 6000) -> float:
     counts, expected = _joint_first_two(rule, trials)
     keep = expected > 5
-    obs, exp = counts[keep], expected[keep]
+    obs, exp = counts[keep].double(), expected[keep].double()  # (chisquare checks the sums agree to 1.5e-8)
     return float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
 
 
@@ -281,8 +281,8 @@ def assert_speculation_follows_target(engine: LLMEngine, target: Path, prompt: l
     for position, expected in zip((1, 2), exact_marginals(target, prompt, vocab)):
         counts = torch.bincount(torch.tensor([t[position] for t in tokens.values()]), minlength=vocab).float()
         keep = expected * trials > 5
-        exp = expected[keep] * trials
-        obs = counts[keep]
+        exp = expected[keep].double() * trials  # (in float64: chisquare checks the sums agree to 1.5e-8)
+        obs = counts[keep].double()
         assert chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue > 0.001
 
 

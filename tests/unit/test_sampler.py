@@ -112,7 +112,7 @@ def test_inverse_cdf_draws_exactly_and_never_a_zero_probability_token():
     counts = torch.bincount(tokens, minlength=len(weights))
     assert counts[weights == 0].sum() == 0
     nonzero = weights > 0
-    expected = (weights[nonzero] / weights.sum() * n).numpy()
+    expected = (weights[nonzero].double() / weights.sum().double() * n).numpy()
     assert chisquare(counts[nonzero].numpy(), expected).pvalue > 1e-3
 
 
