@@ -28,7 +28,7 @@ class EngineConfig:
     dtype: str = "float32"
     quantization: str = "none"  # the target's weights: "none", "int8" (per row), "int4" (per group), "fp8"
     quantization_group_size: int = 32  # int4: input columns sharing a scale and minimum (32, 64, 128)
-    # CPU, int8/int4: rows of input from which a layer multiplies by a bfloat16 copy of its weight
+    # CPU, int8/int4: rows of input from which a layer multiplies by a dense copy of its weight
     # (prefill, large batches); 0: timed per weight shape at load; -1: never (no copy kept)
     quantization_dense_rows: int = 0
     device: str = "auto"  # "auto": cuda if available, else cpu

@@ -1,6 +1,6 @@
 """Per weight shape, which kernel multiplies, timed at startup: on CUDA torch's matmul or the Triton
 small-batch kernel (with FP8 weights: torch's `_scaled_mm` or the kernel's FP8 form); on a CPU
-with weight-only quantization, the packed kernel or a dense bfloat16 copy of the weight
+with weight-only quantization, the packed kernel or a dense copy of the weight
 (`tune_quantized_linears`); on a CPU in float32, torch's matmul or oneDNN's on a copy of the
 lm_head's weight in its layout (`tune_cpu_head`).
 
@@ -135,7 +135,7 @@ def rows_for_dense(times: dict[int, tuple[float, float]]) -> int | None:
 
 def tune_quantized_linears(model: nn.Module, dense_rows: int) -> dict[tuple[int, int], dict]:
     """Sets, for every weight-only quantized layer, the rows of input from which it multiplies by a
-    dense bfloat16 copy of its weight: `dense_rows` for all (-1: never), or 0: per weight shape,
+    dense copy of its weight (`dense_dtype`): `dense_rows` for all (-1: never), or 0: per weight shape,
     the fewest rows from which the copy measured faster at every count of DENSE_ROW_COUNTS (none
     kept where the packed kernel always won). Returns the choice and the times per shape."""
     by_shape: dict[tuple[int, int], list[WeightOnlyLinear]] = {}

@@ -24,11 +24,13 @@ result back: the residual stream, norms, RoPE and attention keep the model's dty
 devices a layer multiplies by its dequantized weight (correct, no faster than the float model).
 
 The packed kernels convert every weight to a float for every row of input, so their time grows
-with the rows: at a prefill's hundreds of rows a dense bfloat16 GEMM (AMX where the CPU has it)
-is several times faster. A layer can keep a bfloat16 copy of its dequantized weight (in oneDNN's
-layout, `prepack`) and use it from `dense_min_rows` rows of input on (`use_dense_from`;
-backend/model/linear_tuner.py times both per weight shape at load). Compiled decode steps keep the packed kernels: a branch on the row count
-would split their graph in two.
+with the rows: at a prefill's hundreds of rows a dense GEMM is several times faster. A layer can
+keep a copy of its dequantized weight and use it from `dense_min_rows` rows of input on
+(`use_dense_from`; backend/model/linear_tuner.py times both per weight shape at load): in bfloat16
+and oneDNN's layout (`prepack`) where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX), in
+float32 elsewhere, where a bfloat16 GEMM is emulated and slower than the packed kernels (`dense_dtype`).
+Compiled decode steps keep the packed kernels: a branch on the row count would split their graph
+in two.
 
 `fp8` is for GPUs with FP8 tensor cores (compute capability 8.9 on: Ada, Hopper), as vLLM's
 dynamic FP8: weights and activations both FP8 with per-row scales, multiplied by torch's
@@ -84,46 +86,53 @@ def onednn_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def dense_dtype() -> torch.dtype:
+    """The dense copies' dtype: bfloat16 where oneDNN multiplies it natively, float32 elsewhere
+    (on an AVX2-only CPU a bfloat16 GEMM is emulated: the default model's gate/up projection at 256
+    rows took 62 ms in bfloat16, 14 ms packed int4 and 7.3 ms in float32)."""
+    return torch.bfloat16 if onednn_bfloat16() else torch.float32
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 [out, in] weight in oneDNN's blocked layout for its matmul, where the CPU has it
-    (the plain weight elsewhere). torch's plain bfloat16 matmul reorders the weight into that
+    (the weight as it is elsewhere). torch's plain bfloat16 matmul reorders the weight into that
     layout on every call: measured on the default model's layer shapes at 2 threads, a prepacked
     product of 1-13 rows takes 13 ms for all 30 layers against 20 ms, with equal results."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn_bfloat16() else weight
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] (bfloat16) times a weight from `prepack`."""
-    if onednn_bfloat16():
+    """x [rows, in] times a weight from `prepack`, both in `dense_dtype()`."""
+    if x.dtype == torch.bfloat16 and onednn_bfloat16():
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
     return F.linear(x, weight)
 
 
 class WeightOnlyLinear(nn.Module):
-    """What both packed layers share: the dense bfloat16 copy for many rows, when kept."""
+    """What both packed layers share: the dense copy for many rows, when kept."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight_shape = tuple(weight.shape)  # (out, in)
-        self.dense_weight: torch.Tensor | None = None  # [out, in] bfloat16, the dequantized weight
+        self.dense_weight: torch.Tensor | None = None  # [out, in] in dense_dtype(), the dequantized weight
         self.dense_min_rows = 0  # rows of input from which dense_weight multiplies
 
     def dequantized_weight(self) -> torch.Tensor:  # [out, in] float32
         raise NotImplementedError
 
     def use_dense_from(self, rows: int | None) -> None:
-        """Multiply inputs of `rows` rows or more by a bfloat16 copy of the dequantized weight
-        (None: never, and no copy kept)."""
-        self.dense_weight = None if rows is None else prepack(self.dequantized_weight().to(KERNEL_DTYPE))
+        """Multiply inputs of `rows` rows or more by a copy of the dequantized weight in
+        `dense_dtype()` (None: never, and no copy kept)."""
+        self.dense_weight = None if rows is None else prepack(self.dequantized_weight().to(dense_dtype()))
         self.dense_min_rows = rows or 0
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [rows, in] times the dense copy, [rows, out] in KERNEL_DTYPE; None where the packed
-        kernel is to run."""
+        """x [rows, in] times the dense copy, [rows, out] in the copy's dtype; None where the
+        packed kernel is to run."""
         # (compiling first: a comparison of the traced row count would be a condition on the graph)
         if torch.compiler.is_compiling() or self.dense_weight is None or x.shape[0] < self.dense_min_rows:
             return None
-        return dense_linear(x.to(KERNEL_DTYPE), self.dense_weight)
+        return dense_linear(x.to(self.dense_weight.dtype), self.dense_weight)
 
 
 class Int8Linear(WeightOnlyLinear):

@@ -16,6 +16,8 @@ from backend.model.quantized_linear import (
     Int4Linear,
     Int8Linear,
     RescoredHead,
+    dense_dtype,
+    onednn_bfloat16,
     quantize_linears,
     swap_linears,
 )
@@ -187,16 +189,18 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused():
 
 @pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
 def test_a_layer_multiplies_by_its_dense_copy_from_its_row_count_on(kind):
-    """From `dense_min_rows` rows of input the product is the bfloat16 GEMM with the dequantized
-    weight; below, the packed kernel's; None drops the copy."""
+    """From `dense_min_rows` rows of input the product is the GEMM with the dequantized weight (in
+    bfloat16 where oneDNN multiplies it natively, else float32); below, the packed kernel's; None
+    drops the copy."""
     w, _ = q4_1_weight(40, 128, seed=2)
     layer = Int8Linear(w, None) if kind is Int8Linear else Int4Linear(w, None, 32)
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(3))
     packed = layer(x)
     layer.use_dense_from(8)
-    assert layer.dense_weight.dtype == torch.bfloat16 and layer.dense_weight.shape == (40, 128)
-    dense = (x.bfloat16() @ layer.dequantized_weight().bfloat16().t()).float()
-    assert torch.equal(layer(x), dense)
+    dtype = torch.bfloat16 if onednn_bfloat16() else torch.float32
+    assert dense_dtype() == dtype and layer.dense_weight.dtype == dtype and layer.dense_weight.shape == (40, 128)
+    dense = (x.to(dtype) @ layer.dequantized_weight().to(dtype).t()).float()
+    torch.testing.assert_close(layer(x), dense, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-5)
     assert torch.equal(layer(x[:7]), packed[:7])  # 7 rows: the packed kernel
     layer.use_dense_from(None)
     assert layer.dense_weight is None and torch.equal(layer(x), packed)
