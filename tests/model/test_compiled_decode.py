@@ -1,6 +1,6 @@
 """Compiled decode steps on a CPU (compile_decode, backend/model/compiled_decode.py): greedy output
-equals HF transformers' generate (float, and int4 with the same quantized layers swapped into HF's
-model), the decode steps really run compiled, and two graphs serve every batch size and context
+equals HF transformers' generate (float, and int4 and fp8 with the same quantized layers swapped into
+HF's model), the decode steps really run compiled, and two graphs serve every batch size and context
 length (no compile after start-up)."""
 from __future__ import annotations
 
@@ -43,14 +43,15 @@ def test_compiled_decode_matches_hf(arch, request):
     assert counters["stats"]["unique_graphs"] == graphs and engine.runner.compiled_decode.eager_steps == 0
 
 
-def test_compiled_decode_with_int4_matches_hf_with_the_same_layers(tiny_llama):
-    """The packed int4 kernels inside the compiled graph: the same tokens as HF's model with the
-    same quantized layers."""
-    engine = compiled_engine(tiny_llama, quantization="int4", quantization_dense_rows=-1, max_num_batched_tokens=48)
+@pytest.mark.parametrize("mode", ["int4", "fp8"])
+def test_compiled_decode_with_quantized_layers_matches_hf_with_the_same_layers(tiny_llama, mode):
+    """The packed int4 kernels, or FP8's scaled products, inside the compiled graph: the same tokens
+    as HF's model with the same quantized layers."""
+    engine = compiled_engine(tiny_llama, quantization=mode, quantization_dense_rows=-1, max_num_batched_tokens=48)
     prompts, max_tokens = mixed_prompts(8, seed=6)
     got = run_engine(engine, prompts, max_tokens)
-    assert got == hf_quantized_greedy(tiny_llama, "int4", 32, prompts, max_tokens)
-    assert engine.runner.compiled_decode.steps > 0
+    assert got == hf_quantized_greedy(tiny_llama, mode, 32, prompts, max_tokens)
+    assert engine.runner.compiled_decode.steps > 0 and engine.runner.compiled_decode.eager_steps == 0
 
 
 def test_a_dense_copy_for_many_rows_does_not_split_the_graph(tiny_llama):
