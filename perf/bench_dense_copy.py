@@ -28,7 +28,7 @@ from backend.sampling_params import SamplingParams  # noqa: E402
 from perf.bench_default_dtypes import engine_generate  # noqa: E402
 from perf.prompts import DEFAULT_TARGET, chat_prompts  # noqa: E402
 
-COPIES = {"packed kernels only": -1, "dense copies, timed at load": 0}
+COPIES = {"packed kernels only": -1, "{dtype} copies, timed at load": 0}
 
 
 def prefill_ms(engine: LLMEngine, length: int, repeats: int) -> float:
@@ -76,7 +76,7 @@ def main() -> None:
                                                 tokenizer.eos_token_id, args.threads, batch, engine=engine)
                 answers.setdefault(batch, []).append(outputs)
                 tok_s.append(rate)
-            rows.append((mode, name, prefill, tok_s))
+            rows.append((mode, name.format(dtype=str(dense_dtype()).removeprefix("torch.")), prefill, tok_s))
             engine.close()
         rows.append((mode, "same answers", None, [sum(a == b for a, b in zip(*answers[b])) for b in args.batches]))
     print("\n| mode | layers | " + " | ".join(f"prefill {n} tokens" for n in args.lengths) + " | "
