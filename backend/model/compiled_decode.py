@@ -37,6 +37,7 @@ from kernels.rotary import rotary_tables, rotate
 
 TIMED_BATCHES = (4, 8, 16, 32, 64)  # decode steps timed compiled and eager at start-up (quantized)
 MIN_PAGES = 2  # block tables are padded to this many pages: a size of 1 would be a graph of its own
+GRAPHS = 2  # one request, several
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,10 @@ class CompiledDecode:
         self.model, self.kv_caches = model, kv_caches
         self.attention = DecodeAttention()
         self.forward = torch.compile(model.forward, fullgraph=True)  # sizes marked dynamic in warm_up
+        # torch keeps at most recompile_limit graphs of one code object, and every model in the
+        # process shares its forward's code (a target and its draft, engines made one after another):
+        # each compiled model makes room for its own graphs (run's stance refuses any other compile)
+        torch._dynamo.config.recompile_limit += GRAPHS
         self.steps = 0  # decode steps run compiled
         self.eager_steps = 0  # decode steps that would have compiled a new graph, run eagerly instead
         self.dense_steps = 0  # decode steps of max_requests or more, run eagerly (the runner counts)

@@ -121,6 +121,19 @@ def test_a_compiled_step_writes_what_the_eager_step_writes(tiny_llama, head):  #
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_models_compiled_one_after_another_in_one_process_each_get_their_graphs(tiny_llama, tiny_qwen2, head):  # noqa: F811
+    """Every model's forward is one code object, of which torch keeps recompile_limit graphs (8 by
+    default): five models of different structures compiled in one process (10 graphs) all load
+    and decode compiled."""
+    with torch._dynamo.config.patch(recompile_limit=8):
+        engines = [compiled_engine(tiny_llama), compiled_engine(tiny_qwen2),
+                   *(compiled_engine(tiny_llama, quantization=m, quantization_dense_rows=-1) for m in ("int4", "fp8")),
+                   eagle_engine(tiny_llama, head, compile_decode=True, num_threads=1)]  # (the target keeps features)
+    for engine in engines:
+        run_engine(engine, [[7, 3, 9]], [6])
+        assert engine.runner.compiled_decode.steps > 0 and engine.runner.compiled_decode.eager_steps == 0
+
+
 def test_compiled_decode_is_refused_across_ranks(tiny_llama):
     with pytest.raises(ValidationError, match="compile_decode"):
         EngineConfig(model=str(tiny_llama), compile_decode=True, tensor_parallel_size=2)
@@ -137,5 +150,6 @@ def test_a_machine_that_cannot_compile_fails_the_load_naming_the_parameter(tmp_p
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    torch._dynamo.reset()  # nor a graph an earlier test compiled (its sizes may have become dynamic)
     with pytest.raises(ValidationError, match="compile_decode: torch.compile could not build"):
         LLMEngine(EngineConfig(model=str(model_dir), compile_decode=True, num_threads=1))
