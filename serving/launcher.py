@@ -100,7 +100,9 @@ class ServerHandle:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def is_ready(self) -> bool:
-        return _http_ready(self.host, self.http_port)
+        """/v2/health/ready answers 200, and so does the metrics endpoint (tritonserver starts it
+        after the others: a client reading metrics at once after ready found its port closed)."""
+        return _answers_200(f"http://{self.host}:{self.http_port}/v2/health/ready") and _answers_200(self.metrics_url)
 
     def log_tail(self, num_chars: int = 4000) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -331,7 +333,7 @@ def start_server(
     metrics_address: str | None = None,
     admin_key: str | None = None,
 ) -> ServerHandle:
-    """Start tritonserver and wait until /v2/health/ready answers 200. A server killed by a
+    """Start tritonserver and wait until /v2/health/ready and /metrics answer 200. A server killed by a
     signal before it is ready is started again, up to `crash_retries` times.
 
     `log_file`: a path (the server's stdout and stderr are written there), an open file, or None
@@ -392,9 +394,9 @@ def start_server(
     return handle
 
 
-def _http_ready(host: str, port: int) -> bool:
+def _answers_200(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
