@@ -15,16 +15,20 @@ costs nothing measurable. The embedding table is left as it is (a lookup reads o
 
 int4 is asymmetric with a group's minimum and (maximum - minimum) / 15 as its step, GGUF's Q4_1
 layout: weights dequantized from Q4_1 blocks of 32 (the default model's) come back exactly at
-group size 32, up to the bfloat16 rounding of each group's step and minimum.
+group size 32 (the step and minimum in float16, as Q4_1 keeps them).
 
-On a CPU the products run in torch's packed weight-only kernels (`_weight_int8pack_mm`,
-`_weight_int4pack_mm_for_cpu`). They are fast with bfloat16 activations only (their float32 and
-float16 paths run 10-30x slower), so a layer casts its input to bfloat16 for the product and the
-result back: the residual stream, norms, RoPE and attention keep the model's dtype. On other
-devices a layer multiplies by its dequantized weight (correct, no faster than the float model).
+On an x86 CPU with AVX2, int4 products run in kernels/int4_cpu.py: each block of 32 input values
+quantized to int16 and multiplied by the 4-bit codes in integers, as llama.cpp does, so that a
+prefill's rows do not each pay for turning every weight into a float. Elsewhere on a CPU, and for
+int8, the products run in torch's packed weight-only kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`, with bfloat16 scales). Those are fast with bfloat16 activations
+only (their float32 and float16 paths run 10-30x slower), so a layer casts its input to bfloat16
+for the product and the result back: the residual stream, norms, RoPE and attention keep the
+model's dtype. On other devices a layer multiplies by its dequantized weight (correct, no faster
+than the float model).
 
-The packed kernels convert every weight to a float for every row of input, so their time grows
-with the rows: at a prefill's hundreds of rows a dense GEMM is several times faster. A layer can
+The packed kernels' time grows with the rows (torch's convert every weight to a float for every
+row of input): at a prefill's hundreds of rows a dense GEMM is several times faster. A layer can
 keep a copy of its dequantized weight and use it from `dense_min_rows` rows of input on
 (`use_dense_from`; backend/model/linear_tuner.py times both per weight shape at load): in bfloat16
 and oneDNN's layout (`prepack`) where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX), in
@@ -54,6 +58,7 @@ from backend.config import check_quantization
 from backend.errors import ValidationError
 from backend.model.model import Linear
 from backend.model.tensor_parallel import ParallelLMHead
+from kernels import int4_cpu
 from kernels.gemv import fp8_scales, gemv, to_fp8
 
 KERNEL_DTYPE = torch.bfloat16  # the packed CPU kernels' activations, scales and output
@@ -160,6 +165,11 @@ class Int8Linear(WeightOnlyLinear):
 
 
 class Int4Linear(WeightOnlyLinear):
+    """w = code * step + minimum per group. Where kernels/int4_cpu.py runs (an x86 CPU with AVX2
+    and a C compiler: `layout` "blocks"), the codes in its blocks of 32 with float16 steps and
+    minimums, as GGUF's Q4_1 keeps them (a group of 64 or 128 repeats its own over its blocks); on
+    other CPUs torch's packed layout ("int4pack", bfloat16 scales); elsewhere one code a byte ("codes")."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int):
         super().__init__(weight)
         out_features, in_features = weight.shape
@@ -167,10 +177,34 @@ class Int4Linear(WeightOnlyLinear):
             raise ValidationError("quantization_group_size", f"must divide every layer's input width; "
                                   f"{group_size} does not divide {in_features}")
         self.out_features, self.group_size = out_features, group_size
-        rows = -(-out_features // INT4_ROWS) * INT4_ROWS
+        cpu = weight.device.type == "cpu"
+        self.layout = ("blocks" if int4_cpu.available() else "int4pack") if cpu else "codes"
+        if self.layout == "blocks":
+            groups = weight.detach().float().view(out_features, in_features // group_size, group_size)
+            if groups.abs().max() > torch.finfo(torch.float16).max:
+                raise ValidationError("quantization", f"int4 holds weights within +-65504 (float16 steps and "
+                                                      f"minimums); a layer has {float(groups.abs().max()):g}")
+            # the codes are rounded against the step and minimum as the kernel reads them (float16)
+            minimum = groups.amin(dim=-1).half()
+            step = ((groups.amax(dim=-1) - minimum.float()) / 15).clamp(min=2**-24).half()
+            codes = ((groups - minimum.float()[..., None]) / step.float()[..., None]).round().clamp(0, 15)
+            codes = codes.view(out_features, in_features)
+            repeat = group_size // int4_cpu.BLOCK
+            self.register_buffer("qweight", int4_cpu.pack(codes))
+            self.register_buffer("step", step.repeat_interleave(repeat, dim=1).contiguous())
+            self.register_buffer("minimum", minimum.repeat_interleave(repeat, dim=1).contiguous())
+        else:
+            self._quantize_for_torch(weight)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def _quantize_for_torch(self, weight: torch.Tensor) -> None:
+        """torch's packed layout (output rows padded to INT4_ROWS) or one code a byte, with
+        bfloat16 scales and zeros as torch's kernel reads them."""
+        in_features = weight.shape[1]
+        rows = -(-self.out_features // INT4_ROWS) * INT4_ROWS
         w = weight.detach().float().new_zeros(rows, in_features)
-        w[:out_features] = weight.detach().float()
-        groups = w.view(rows, in_features // group_size, group_size)
+        w[:self.out_features] = weight.detach().float()
+        groups = w.view(rows, in_features // self.group_size, self.group_size)
         minimum, maximum = groups.amin(dim=-1), groups.amax(dim=-1)
         step = ((maximum - minimum) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         # the kernel's convention: w = (q - 8) * scale + zero, so zero = minimum + 8 * scale; the codes
@@ -181,13 +215,13 @@ class Int4Linear(WeightOnlyLinear):
         codes = codes.view(rows, in_features)
         scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1)  # [groups, rows, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(KERNEL_DTYPE).contiguous())
-        self.packed = weight.device.type == "cpu"  # else one uint8 code per weight, dequantized per call
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-                             if self.packed else codes.to(torch.uint8))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+                             if self.layout == "int4pack" else codes.to(torch.uint8))
 
-    def codes(self) -> torch.Tensor:  # [rows, in] the 4-bit codes, as float32
-        if not self.packed:
+    def codes(self) -> torch.Tensor:  # [rows, in] the 4-bit codes, as float32 (rows: with any padding)
+        if self.layout == "blocks":
+            return int4_cpu.unpack(self.qweight).float()
+        if self.layout == "codes":
             return self.qweight.float()
         # read back through the kernel: the identity times the weight with scale 1 and zero 8
         eye = torch.eye(self.qweight.shape[1] * 2, dtype=KERNEL_DTYPE)
@@ -197,23 +231,30 @@ class Int4Linear(WeightOnlyLinear):
     def dequantized_weight(self) -> torch.Tensor:  # [out, in] float32
         codes = self.codes()
         rows, in_features = codes.shape
+        if self.layout == "blocks":
+            blocks = codes.view(rows, -1, int4_cpu.BLOCK)
+            return (blocks * self.step.float()[..., None] + self.minimum.float()[..., None]).view(rows, in_features)
         scale, zero = self.scales_and_zeros.float().unbind(-1)  # [groups, rows]
         groups = codes.view(rows, in_features // self.group_size, self.group_size)
         w = (groups - 8) * scale.t()[..., None] + zero.t()[..., None]
         return w.view(rows, in_features)[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if self.packed:
-            rows = _rows(x)
-            y = self.dense_product(rows)
-            if y is None:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(KERNEL_DTYPE), self.qweight, self.group_size,
-                                                               self.scales_and_zeros)
-                if y.shape[1] != self.out_features:  # padding rows
-                    y = y[:, : self.out_features]
-            y = _unflatten(y.to(x.dtype), x)
-        else:
+        if self.layout == "codes":
             y = F.linear(x, self.dequantized_weight().to(x.dtype))
+            return y if self.bias is None else y + self.bias
+        rows = _rows(x)
+        y = self.dense_product(rows)
+        if y is None and self.layout == "blocks":
+            # (a compiled graph calls the kernel as a torch operator; eagerly, directly: no dispatch)
+            product = int4_cpu.int4_linear_op if torch.compiler.is_compiling() else int4_cpu.int4_linear
+            y = product(rows.float(), self.qweight, self.step, self.minimum)
+        elif y is None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(KERNEL_DTYPE), self.qweight, self.group_size,
+                                                           self.scales_and_zeros)
+            if y.shape[1] != self.out_features:  # padding rows
+                y = y[:, : self.out_features]
+        y = _unflatten(y.to(x.dtype), x)
         return y if self.bias is None else y + self.bias
 
 

@@ -22,6 +22,7 @@ from backend.model.quantized_linear import (
     swap_linears,
 )
 from backend.model.tensor_parallel import RowParallelLinear
+from kernels import int4_cpu
 
 
 def q4_1_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -35,14 +36,31 @@ def q4_1_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return (q * step[..., None] + low[..., None]).view(rows, cols), step
 
 
-def test_int4_holds_q4_1_weights_to_the_bfloat16_rounding_of_scale_and_minimum():
-    w, step = q4_1_weight(40, 128)  # 40 rows: padded to 48 inside, sliced off again
+@pytest.fixture(params=["blocks", "int4pack"])
+def int4_layout(request, monkeypatch) -> str:
+    """int4 layers in the int4 CPU kernel's blocks (where it runs here) and in torch's packed layout
+    (where it does not)."""
+    if request.param == "blocks" and not int4_cpu.available():
+        pytest.skip("the int4 CPU kernel does not run here")
+    if request.param == "int4pack":
+        monkeypatch.setattr(int4_cpu, "available", lambda: False)
+    return request.param
+
+
+def test_int4_holds_q4_1_weights(int4_layout):
+    """In blocks (float32 steps and minimums) to float32 rounding; in torch's layout to the
+    bfloat16 rounding of each group's scale and zero."""
+    w, step = q4_1_weight(40, 128)  # 40 rows: padded to 48 inside torch's layout, sliced off again
     layer = Int4Linear(w, None, 32)
+    assert layer.layout == int4_layout
     back = layer.dequantized_weight()
     assert back.shape == w.shape
     codes = layer.codes()
     assert codes.min() >= 0 and codes.max() <= 15 and torch.equal(codes, codes.round())
     err = (back - w).abs().view(40, 4, 32).amax(-1)
+    if int4_layout == "blocks":
+        torch.testing.assert_close(back, w, atol=1e-6, rtol=1e-6)
+        return
     # bfloat16 keeps 8 significant bits: each group's zero (a value about the size of its weights)
     # and step are off by at most half a unit there, and the codes are rounded against them
     bound = w.abs().view(40, 4, 32).amax(-1) * 2**-8 + 15 * step * 2**-8
@@ -50,14 +68,21 @@ def test_int4_holds_q4_1_weights_to_the_bfloat16_rounding_of_scale_and_minimum()
     assert float(err.max()) < float(step.min()) / 2  # every weight is nearer its own code than the next
 
 
-def test_int4_forward_is_the_bfloat16_product_with_its_dequantized_weight():
+def test_int4_forward_is_the_kernels_product_with_its_dequantized_weight(int4_layout):
+    """In blocks: the int4 CPU kernel's product (x's blocks of 32 in int8), a group of 64 held as
+    two blocks with its own step and minimum; in torch's layout the bfloat16 product."""
     w, _ = q4_1_weight(64, 96 * 2)
     bias = torch.randn(64)
     layer = Int4Linear(w, bias, 64)
     x = torch.randn(5, 192)
-    expected = x.bfloat16().float() @ layer.dequantized_weight().t() + bias
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (5, 64)
+    if int4_layout == "blocks":
+        assert torch.equal(layer.step[:, 0::2], layer.step[:, 1::2])
+        expected = int4_cpu.int4_linear_ref(x, layer.qweight, layer.step, layer.minimum) + bias
+        torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+        return
+    expected = x.bfloat16().float() @ layer.dequantized_weight().t() + bias
     torch.testing.assert_close(y, expected, atol=0.05, rtol=0.02)  # the kernel's output is bfloat16
     torch.testing.assert_close(layer(x.view(1, 5, 192))[0], y)  # leading dims are flattened
 

@@ -1,0 +1,101 @@
+"""The int4 CPU kernel (kernels/int4_cpu.c) against its torch reference: the same quantization of x,
+the same integer products, sums equal to float32 rounding; its layout, its operator in a compiled
+graph, and the directory its build is loaded from."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from kernels import int4_cpu
+
+pytestmark = pytest.mark.skipif(not int4_cpu.available(), reason="needs an x86 CPU with AVX2 and a C compiler")
+
+
+def weight(out: int, width: int, rng: torch.Generator):
+    codes = torch.randint(0, 16, (out, width), generator=rng)
+    scale = (torch.rand(out, width // 32, generator=rng) * 0.02).half()
+    minimum = (-torch.rand(out, width // 32, generator=rng) * 0.15).half()
+    return codes, scale, minimum
+
+
+def test_pack_holds_each_block_of_32_codes_in_16_bytes():
+    codes = torch.arange(64).remainder(16).view(1, 64)
+    qs = int4_cpu.pack(codes)
+    assert qs.shape == (1, 32) and qs.dtype == torch.uint8
+    assert qs[0, 0] == 0 | (0 << 4) and qs[0, 1] == 1 | (1 << 4) and qs[0, 16] == 0  # code 16 is 0 again
+    assert torch.equal(int4_cpu.unpack(qs), codes.to(torch.uint8))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 13, 64])  # every remainder of the 4-row tile
+@pytest.mark.parametrize("out, width", [(48, 64), (576, 1536), (40, 96)])
+def test_kernel_equals_reference(rng, rows, out, width):
+    codes, scale, minimum = weight(out, width, rng)
+    qs = int4_cpu.pack(codes)
+    x = 3 * torch.randn(rows, width, generator=rng)
+    got = int4_cpu.int4_linear(x, qs, scale, minimum)
+    expected = int4_cpu.int4_linear_ref(x, qs, scale, minimum)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)  # (float32 sums in another order)
+    # and within the int16 rounding of x of the exact product: each block of x is off by at most
+    # half its step per value
+    w = (codes.view(out, -1, 32) * scale.float()[..., None] + minimum.float()[..., None]).view(out, width).double()
+    _, step, _ = int4_cpu.quantize_blocks(x)
+    bound = (step.double().repeat_interleave(32, 1) / 2) @ w.abs().t()
+    assert bool(((got.double() - x.double() @ w.t()).abs() <= bound * 1.001 + 1e-5).all())
+
+
+def test_a_row_is_computed_alike_in_any_batch(rng):
+    """Per-row quantization, and every row's sums in one order: a row's output does not depend on
+    the rows beside it (an engine's batch and HF's single request give the same numbers)."""
+    codes, scale, minimum = weight(64, 128, rng)
+    qs = int4_cpu.pack(codes)
+    x = torch.randn(7, 128, generator=rng)
+    together = int4_cpu.int4_linear(x, qs, scale, minimum)
+    for i in range(7):
+        assert torch.equal(int4_cpu.int4_linear(x[i:i + 1], qs, scale, minimum), together[i:i + 1])
+
+
+def test_zero_blocks_and_large_values():
+    """A block of zeros has step 0 (no division by it, exact zeros out); a block's largest value
+    maps to 32767 steps whatever its size."""
+    codes = torch.full((16, 64), 15)
+    scale, minimum = torch.ones(16, 2, dtype=torch.float16), torch.full((16, 2), 0.5, dtype=torch.float16)
+    x = torch.zeros(2, 64)
+    x[1, 32:] = torch.linspace(-3e4, 1e4, 32)
+    qs = int4_cpu.pack(codes)
+    y = int4_cpu.int4_linear(x, qs, scale, minimum)
+    assert torch.equal(y[0], torch.zeros(16))
+    values, step, sums = int4_cpu.quantize_blocks(x)
+    assert values[1, 1].min() == -32767 and step[1, 1] == torch.tensor(3e4) / 32767 and step[1, 0] == 0
+    torch.testing.assert_close(y, int4_cpu.int4_linear_ref(x, qs, scale, minimum), atol=0, rtol=1e-5)
+
+
+def test_the_operator_in_a_compiled_graph_equals_the_kernel(rng):
+    codes, scale, minimum = weight(32, 64, rng)
+    qs = int4_cpu.pack(codes)
+    x = torch.randn(3, 64, generator=rng)
+
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return torch.relu(int4_cpu.int4_linear_op(x * 2, qs, scale, minimum)) + 1
+
+    assert torch.equal(f(x), torch.relu(int4_cpu.int4_linear(x * 2, qs, scale, minimum)) + 1)
+
+
+def test_the_build_is_not_loaded_from_a_directory_others_can_write(tmp_path, monkeypatch):
+    """A shared library in a directory another user can write would run that user's code in the
+    server: such a cache directory is passed over for a private one."""
+    shared = tmp_path / "shared"
+    (shared / "specserve").mkdir(parents=True)
+    os.chmod(shared / "specserve", 0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
+    directory = int4_cpu._cache_directory()
+    assert directory != shared / "specserve"
+    assert not directory.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    private = tmp_path / "private"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(private))
+    directory = int4_cpu._cache_directory()
+    assert directory == private / "specserve" and stat.S_IMODE(directory.stat().st_mode) == 0o700
