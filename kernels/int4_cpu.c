@@ -14,7 +14,6 @@
    The work per weight no longer grows with a float conversion per row of x: a block's codes are
    unpacked once for up to TILE rows. */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 

@@ -119,7 +119,7 @@ def _build() -> pathlib.Path:
         fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], check=True, capture_output=True,
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], check=True, capture_output=True,
                            timeout=120)
             os.replace(partial, target)
         finally:

@@ -14,9 +14,7 @@ in one run on the default model:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,6 +24,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
+from backend.model.linear_tuner import time_call  # noqa: E402
 from backend.model.quantized_linear import Int4Linear  # noqa: E402
 from kernels import int4_cpu  # noqa: E402
 from perf.bench_default_dtypes import engine_generate  # noqa: E402
@@ -49,13 +48,7 @@ def with_kernel(name: str, build):
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return time_call(fn, None, repeats) * 1e3  # (after one call: the warm-up)
 
 
 @torch.inference_mode()

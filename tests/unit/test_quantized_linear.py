@@ -48,7 +48,7 @@ def int4_layout(request, monkeypatch) -> str:
 
 
 def test_int4_holds_q4_1_weights(int4_layout):
-    """In blocks (float32 steps and minimums) to float32 rounding; in torch's layout to the
+    """In blocks (float16 steps and minimums, as Q4_1's) to float32 rounding; in torch's layout to the
     bfloat16 rounding of each group's scale and zero."""
     w, step = q4_1_weight(40, 128)  # 40 rows: padded to 48 inside torch's layout, sliced off again
     layer = Int4Linear(w, None, 32)
@@ -69,7 +69,7 @@ def test_int4_holds_q4_1_weights(int4_layout):
 
 
 def test_int4_forward_is_the_kernels_product_with_its_dequantized_weight(int4_layout):
-    """In blocks: the int4 CPU kernel's product (x's blocks of 32 in int8), a group of 64 held as
+    """In blocks: the int4 CPU kernel's product (x's blocks of 32 in int16), a group of 64 held as
     two blocks with its own step and minimum; in torch's layout the bfloat16 product."""
     w, _ = q4_1_weight(64, 96 * 2)
     bias = torch.randn(64)
@@ -81,9 +81,9 @@ def test_int4_forward_is_the_kernels_product_with_its_dequantized_weight(int4_la
         assert torch.equal(layer.step[:, 0::2], layer.step[:, 1::2])
         expected = int4_cpu.int4_linear_ref(x, layer.qweight, layer.step, layer.minimum) + bias
         torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
-        return
-    expected = x.bfloat16().float() @ layer.dequantized_weight().t() + bias
-    torch.testing.assert_close(y, expected, atol=0.05, rtol=0.02)  # the kernel's output is bfloat16
+    else:
+        expected = x.bfloat16().float() @ layer.dequantized_weight().t() + bias
+        torch.testing.assert_close(y, expected, atol=0.05, rtol=0.02)  # the kernel's output is bfloat16
     torch.testing.assert_close(layer(x.view(1, 5, 192))[0], y)  # leading dims are flattened
 
 
