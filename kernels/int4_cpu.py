@@ -144,11 +144,17 @@ def _cache_directory() -> pathlib.Path:
     return pathlib.Path(tempfile.mkdtemp(prefix="specserve-"))
 
 
-@torch.library.custom_op("specserve::int4_linear", mutates_args=())
-def int4_linear_op(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    return int4_linear(x, qs, scale, minimum)
+# Defined through torch.library.Library rather than the custom_op decorator: a decorated op's
+# Python wrapper took 24 us of every call (44 us against 20 us for a 576 x 576 layer at one row),
+# 3 ms of a compiled decode step's 121 calls; the plain registration takes 4 us.
+_LIBRARY = torch.library.Library("specserve", "DEF")
+_LIBRARY.define("int4_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum) -> Tensor")
+_LIBRARY.impl("int4_linear", int4_linear, "CPU")
 
 
-@int4_linear_op.register_fake
+@torch.library.register_fake("specserve::int4_linear", lib=_LIBRARY)
 def _(x, qs, scale, minimum):
     return x.new_empty(x.shape[0], qs.shape[0], dtype=torch.float32)
+
+
+int4_linear_op = torch.ops.specserve.int4_linear.default

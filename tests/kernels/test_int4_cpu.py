@@ -30,7 +30,8 @@ def test_pack_holds_each_block_of_32_codes_in_16_bytes():
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 13, 64])  # every remainder of the 4-row tile
-@pytest.mark.parametrize("out, width", [(48, 64), (576, 1536), (40, 96)])
+# widths: one block alone; one pair; a pair and a block; groups of 8 blocks only; groups, a pair and a block
+@pytest.mark.parametrize("out, width", [(8, 32), (48, 64), (40, 96), (576, 1536), (24, 608)])
 def test_kernel_equals_reference(rng, rows, out, width):
     codes, scale, minimum = weight(out, width, rng)
     qs = int4_cpu.pack(codes)
