@@ -75,8 +75,10 @@ class Linear(nn.Linear):
             return self.quantized(x)
         if self.gemv_max_rows and x.shape[0] <= self.gemv_max_rows:
             return gemv(x, self.weight, self.bias)
-        if (self.onednn_weight is not None and x.dim() == 2 and x.shape[0] >= self.onednn_min_rows
-                and not torch.compiler.is_compiling()):  # (a compiled graph keeps torch's matmul)
+        # (a compiled graph keeps torch's matmul; asked first, since a comparison of the traced row
+        # count would become a condition on the graph)
+        if (not torch.compiler.is_compiling() and self.onednn_weight is not None and x.dim() == 2
+                and x.shape[0] >= self.onednn_min_rows):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn_weight, self.bias, "none", [], "")
         return super().forward(x)
 

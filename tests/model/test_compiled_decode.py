@@ -139,17 +139,30 @@ def test_compiled_decode_is_refused_across_ranks(tiny_llama):
         EngineConfig(model=str(tiny_llama), compile_decode=True, tensor_parallel_size=2)
 
 
-def test_a_machine_that_cannot_compile_fails_the_load_naming_the_parameter(tmp_path, monkeypatch):
+def test_a_machine_that_cannot_compile_fails_the_load_naming_the_parameter(tmp_path):
     """No C++ compiler (and no build cached on disk or in this process to fall back on: a model of
-    a width no other test has): a ValidationError on compile_decode."""
+    a width no other test has): a ValidationError on compile_decode. (torch's own config patching:
+    pytest's monkeypatch deletes a torch config entry on undo, and later compiles fail.)"""
     import torch._functorch.config
     import torch._inductor.config
 
     model_dir = write_tiny_model(tmp_path / "model", intermediate_size=136)
-
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()  # nor a graph an earlier test compiled (its sizes may have become dynamic)
-    with pytest.raises(ValidationError, match="compile_decode: torch.compile could not build"):
+    with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}), \
+            torch._functorch.config.patch(enable_autograd_cache=False), \
+            pytest.raises(ValidationError, match="compile_decode: torch.compile could not build"):
         LLMEngine(EngineConfig(model=str(model_dir), compile_decode=True, num_threads=1))
+
+
+@pytest.mark.parametrize("head_rows", [2, 3, 4])
+def test_the_lm_heads_row_threshold_does_not_constrain_the_graphs(tiny_llama, monkeypatch, head_rows):
+    """The lm_head multiplies by its oneDNN copy from a row count measured at load; inside a
+    compiled graph it keeps torch's matmul, and that count must not become a condition on the
+    traced requests (3 made "several requests" the constant 2 and the load failed)."""
+    from backend.model import linear_tuner
+    monkeypatch.setattr(linear_tuner, "rows_for_dense", lambda times: head_rows)
+    engine = compiled_engine(tiny_llama)
+    assert engine.runner.model.lm_head.onednn_min_rows == head_rows
+    prompts, max_tokens = mixed_prompts(6, seed=11)
+    assert run_engine(engine, prompts, max_tokens) == [hf_greedy(tiny_llama, p, m) for p, m in zip(prompts, max_tokens)]
+    assert engine.runner.compiled_decode.steps > 0 and engine.runner.compiled_decode.eager_steps == 0
