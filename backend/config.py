@@ -40,9 +40,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # token budget per iteration
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "auto", "torch", "triton"
+    attention_backend: str = "auto"  # "auto", "torch", "cpu", "triton"
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     compile_decode: bool = False  # CPU: decode steps run compiled (torch.compile), compiled at start-up
+    compile_prefill: bool = False  # CPU: every other step (prefill, verification, mixed) runs compiled too
     speculative_method: str = "none"  # "none", "draft", "eagle" (a head on the target's hidden states), "ngram"
     draft_model: str | None = None  # directory of the draft model (method "draft") or EAGLE head ("eagle")
     draft_dtype: str | None = None  # defaults to `dtype`; on a CPU a tiny draft runs faster in float32
@@ -86,9 +87,9 @@ class EngineConfig:
             raise ValidationError(
                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValidationError(
-                "attention_backend", f"must be auto, torch or triton, got {self.attention_backend!r}"
+                "attention_backend", f"must be auto, torch, cpu or triton, got {self.attention_backend!r}"
             )
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValidationError(
@@ -108,9 +109,9 @@ class EngineConfig:
         if not 1 <= self.pipeline_parallel_size <= 64:
             raise ValidationError("pipeline_parallel_size", f"must be in [1, 64], got {self.pipeline_parallel_size}")
         self._check_pipeline()
-        if self.compile_decode and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValidationError("compile_decode", "runs on one rank: tensor_parallel_size and "
-                                  "pipeline_parallel_size must be 1")
+        for name in ("compile_decode", "compile_prefill"):
+            if getattr(self, name) and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+                raise ValidationError(name, "runs on one rank: tensor_parallel_size and pipeline_parallel_size must be 1")
         if self.num_threads < 0:
             raise ValidationError("num_threads", f"must be >= 0, got {self.num_threads}")
         if not 0 <= self.num_speculative_tokens <= 16:

@@ -219,6 +219,8 @@ class LLMEngine:
                 proposer.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, 2))
         if config.compile_decode and self.device.type == "cpu":  # (on CUDA decode steps replay graphs)
             self.runner.compile_decode()
+        if config.compile_prefill and self.device.type == "cpu":
+            self.runner.compile_prefill()
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.block_manager, self.requests,
                                                 self.max_model_len)
         self._ids = itertools.count()

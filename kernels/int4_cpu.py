@@ -12,32 +12,23 @@ greedy agreement with float32 0.994 -> 0.944, and 16 bits cost the kernel little
     int4_linear_ref(x, qs, scale, minimum)   torch: the same quantization, products and sums
     int4_linear(x, qs, scale, minimum)       the kernel: x [m, in] float32 -> [m, out] float32
 
-The kernel is compiled on first use with the machine's C compiler (as torch.compile's inductor
-compiles its own) into a private cache directory, keyed by the source's hash; `available()` is
-False where it cannot be (not x86 with AVX2, no compiler), and callers keep torch's kernel.
-It runs on the OpenMP runtime torch loaded (the same libgomp: one pool of threads, not two).
+The kernel is compiled on first use (kernels/c_library.py); `available()` is False where it
+cannot be (not x86 with AVX2, no compiler), and callers keep torch's kernel.
 `torch.ops.specserve.int4_linear` is the same product as a torch operator, for compiled graphs.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
 import pathlib
-import stat
-import subprocess
-import tempfile
 
 import torch
 
+from kernels import c_library
+
 BLOCK = 32  # weights (and input values) sharing a scale
 SOURCE = pathlib.Path(__file__).with_suffix(".c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 QMAX = 32767  # x's values in int16
-
-log = logging.getLogger(__name__)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -86,68 +77,23 @@ def int4_linear(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel runs here (built now if not cached); logs why not where it does not."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return False
-    try:
-        _library()
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("the int4 CPU kernel could not be built (%s); int4 layers use torch's packed kernel", e)
-        return False
-    return True
+    """Whether the kernel runs here (built now if not cached)."""
+    return c_library.runs(_library, "int4 layers use torch's packed kernel")
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    torch.get_num_threads()  # (torch's OpenMP runtime is loaded: the kernel's libgomp resolves to it)
-    lib = ctypes.CDLL(str(_build()))
+    lib = c_library.load(SOURCE)
     lib.int4_linear.restype = None
     lib.int4_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
-def _build() -> pathlib.Path:
-    """The shared library for this source and these flags, compiled into the cache directory if
-    it is not there yet (atomically: another process building it at once does no harm)."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    directory = _cache_directory()
-    target = directory / f"int4_cpu-{key}.so"
-    if not target.exists():
-        compiler = os.environ.get("CC", "cc")
-        fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], check=True, capture_output=True,
-                           timeout=120)
-            os.replace(partial, target)
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
-    return target
-
-
-def _cache_directory() -> pathlib.Path:
-    """A directory only this user can write (a library loaded from a directory others can write
-    would run their code): $XDG_CACHE_HOME/specserve, else ~/.cache/specserve, else a private
-    temporary one."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    directory = pathlib.Path(base) / "specserve"
-    try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = directory.stat()
-        if info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return directory
-    except OSError:
-        pass
-    return pathlib.Path(tempfile.mkdtemp(prefix="specserve-"))
-
-
 # Defined through torch.library.Library rather than the custom_op decorator: a decorated op's
 # Python wrapper took 24 us of every call (44 us against 20 us for a 576 x 576 layer at one row),
 # 3 ms of a compiled decode step's 121 calls; the plain registration takes 4 us.
-_LIBRARY = torch.library.Library("specserve", "DEF")
+_LIBRARY = torch.library.Library("specserve", "FRAGMENT")
 _LIBRARY.define("int4_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum) -> Tensor")
 _LIBRARY.impl("int4_linear", int4_linear, "CPU")
 

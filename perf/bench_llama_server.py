@@ -112,6 +112,7 @@ def run_llama(args, gguf: Path) -> dict[int, dict]:
 
 VARIANT_FLAGS = {  # a variant's flags after quantization:threads, and the llm_engine parameters they set
     "compiled": {"compile_decode": "true"},
+    "prefill": {"compile_prefill": "true"},  # prefill, verification and mixed steps compiled too
     "plain": {"speculative_method": "none"},
     "packed": {"quantization_dense_rows": "-1"},  # the packed kernels at every row count
 }
@@ -147,7 +148,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["int4:1", "int4:2", "int4:1:compiled", "int4:2:compiled"],
                    help="this engine's configurations, quantization:engine threads[:flag...] (the rest of the "
                         "machine's cores serve tritonserver, the OpenAI layer and the load); flags: compiled "
-                        "(compile_decode), plain (no speculation), packed (no dense copy)")
+                        "(compile_decode), prefill (compile_prefill), plain (no speculation), packed (no dense copy)")
     args = p.parse_args()
     gguf = find_gguf()
     results = {"llama-server (Q4_1)": run_llama(args, gguf)}

@@ -20,6 +20,8 @@ be equal always.
 
 `DecodeAttention` is TorchAttention's decode step written to trace as one graph: no host reads
 (the KV store's padding check, the plan made on the first layer) and no per-step state on self.
+Where the CPU attention kernel applies (kernels/paged_attention_cpu.py: float32) attention is that
+kernel as a torch operator, reading the block tables itself, and the step needs no plan.
 """
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ from backend.model.attention import AttentionBackend, AttentionMetadata
 from backend.model.linear_tuner import rows_for_dense, time_call
 from backend.model.model import LlamaForCausalLM
 from backend.model.quantized_linear import WeightOnlyLinear
+from kernels import paged_attention_cpu
 from kernels.paged_attention import _attend_decode, plan_reference
+from kernels.paged_attention_cpu import paged_attention_op
 from kernels.rotary import rotary_tables, rotate
 
 TIMED_BATCHES = (4, 8, 16, 32, 64)  # decode steps timed compiled and eager at start-up (quantized)
@@ -44,10 +48,14 @@ log = logging.getLogger(__name__)
 
 class DecodeAttention(AttentionBackend):
     """A decode step's RoPE, KV store and paged attention as pure tensor operations, for tracing:
-    every slot is a real one (decode steps have no padding rows) and the plan is made before the
-    forward (`meta.reference_plan`, a decode plan)."""
+    every slot is a real one (decode steps have no padding rows). Attention is the CPU kernel's
+    operator where `kernel`, else the reference's decode path on a plan made before the forward
+    (`meta.reference_plan`, a decode plan)."""
 
     name = "torch-decode"
+
+    def __init__(self, kernel: bool = False) -> None:
+        self.kernel = kernel
 
     def rotate_and_store(self, q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
         tables = rotary_tables(positions, cos, sin)  # the same in every layer: a few fused ops each
@@ -57,7 +65,27 @@ class DecodeAttention(AttentionBackend):
         return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.kernel:
+            return paged_attention_op(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale)
         return _attend_decode(q, k_cache, v_cache, meta.reference_plan.short, scale)
+
+
+def run_compiled(compiled, args: tuple, what: str) -> torch.Tensor:
+    """compiled.forward(*args) in a graph compiled at start-up, counted in compiled.steps; where
+    none fits (a bug), compiled.model(*args) eagerly rather than stall every request for a
+    compile, counted in compiled.eager_steps (and logged the first time)."""
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            logits = compiled.forward(*args)
+    except RuntimeError as e:
+        if "Detected recompile" not in str(e):  # torch's message for this stance (no error class of its own)
+            raise
+        if not compiled.eager_steps:
+            log.warning("%s fits no compiled graph; running it eagerly: %s", what, str(e).splitlines()[0])
+        compiled.eager_steps += 1
+        return compiled.model(*args)
+    compiled.steps += 1
+    return logits
 
 
 def read_text_as_utf8() -> None:
@@ -74,7 +102,9 @@ class CompiledDecode:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         read_text_as_utf8()
         self.model, self.kv_caches = model, kv_caches
-        self.attention = DecodeAttention()
+        a, k_cache = model.args, kv_caches[0][0]
+        q = k_cache.new_empty(0, a.num_heads, a.head_dim, dtype=model.model.norm.weight.dtype)  # (its dtype and heads)
+        self.attention = DecodeAttention(kernel=paged_attention_cpu.supports(q, k_cache))
         self.forward = torch.compile(model.forward, fullgraph=True)  # sizes marked dynamic in warm_up
         # torch keeps at most recompile_limit graphs of one code object, and every model in the
         # process shares its forward's code (a target and its draft, engines made one after another):
@@ -97,24 +127,17 @@ class CompiledDecode:
         """One decode step (one token per request). A step that fits neither graph (a bug) runs
         eagerly rather than stall every request for a compile."""
         self._plan(meta)
-        try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                logits = self.forward(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices)
-        except RuntimeError as e:
-            if "Detected recompile" not in str(e):  # torch's message for this stance (no error class of its own)
-                raise
-            if not self.eager_steps:
-                log.warning("a decode step fits no compiled graph; running it eagerly: %s", str(e).splitlines()[0])
-            self.eager_steps += 1
-            return self.model(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices)
-        self.steps += 1
-        return logits
+        return run_compiled(self, (input_ids, positions, self.kv_caches, self.attention, meta, logits_indices),
+                            "a decode step")
 
     def _plan(self, meta: AttentionMetadata) -> None:
-        """The step's decode plan, its block tables padded to MIN_PAGES (block 0, masked)."""
+        """The step's block tables padded to MIN_PAGES (block 0, masked or never read), and its
+        decode plan where the reference attends."""
         tables = meta.block_tables
         if tables.shape[1] < MIN_PAGES:
             meta.block_tables = torch.cat([tables, tables.new_zeros(tables.shape[0], MIN_PAGES - tables.shape[1])], 1)
+        if self.attention.kernel:
+            return
         k_cache = self.kv_caches[0][0]
         meta.reference_plan = plan_reference(meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                              k_cache.shape[1], k_cache.shape[0], min_pages=MIN_PAGES)
@@ -144,13 +167,21 @@ class CompiledDecode:
         with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True):
             for num_requests, pages in ((1, 3), (2, 4)):
                 rows, positions, meta, logits_indices = self._inputs(num_requests, pages, block_size)
-                short = meta.reference_plan.short
-                # what the forward reads: [R] ids, positions, slots, logits rows; the plan's [R, pages]
-                # tables, [R, 1, pages x block_size] mask and [R x pages] page ids
-                dynamic = [(short.block_tables, 1), (short.mask, 2), (short.page_ids, 0)]
-                if num_requests > 1:
-                    dynamic += [(t, 0) for t in (rows, positions, meta.slot_mapping, logits_indices, short.block_tables,
-                                                 short.mask)]
+                if self.attention.kernel:
+                    # what the forward reads: [R] ids, positions, slots, logits rows, context lengths;
+                    # [R + 1] query offsets; [R, pages] tables
+                    dynamic = [(meta.block_tables, 1)]
+                    if num_requests > 1:
+                        dynamic += [(t, 0) for t in (rows, positions, meta.slot_mapping, logits_indices, meta.seq_lens,
+                                                     meta.cu_seqlens_q, meta.block_tables)]
+                else:
+                    short = meta.reference_plan.short
+                    # what the forward reads: [R] ids, positions, slots, logits rows; the plan's [R, pages]
+                    # tables, [R, 1, pages x block_size] mask and [R x pages] page ids
+                    dynamic = [(short.block_tables, 1), (short.mask, 2), (short.page_ids, 0)]
+                    if num_requests > 1:
+                        dynamic += [(t, 0) for t in (rows, positions, meta.slot_mapping, logits_indices,
+                                                     short.block_tables, short.mask)]
                 for tensor, dim in dynamic:
                     torch._dynamo.mark_dynamic(tensor, dim)
                 self.forward(rows, positions, self.kv_caches, self.attention, meta, logits_indices)

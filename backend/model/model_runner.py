@@ -10,7 +10,8 @@ On CUDA, a step in which every request computes the same number of tokens (one: 
 verification) replays a CUDA graph captured at start-up for the smallest batch-size bucket that
 holds it (`graph_shape`); padding rows write nowhere (slot -1) and read cached tokens. Mixed
 steps run eagerly. On a CPU, decode steps can run compiled instead (`compile_decode`,
-backend/model/compiled_decode.py).
+backend/model/compiled_decode.py), and so can steps of several tokens per request (`compile_prefill`,
+backend/model/compiled_extend.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from backend.errors import ValidationError
 from backend.host_waits import HostWaits
 from backend.model.attention import AttentionBackend, AttentionMetadata
 from backend.model.compiled_decode import CompiledDecode
+from backend.model.compiled_extend import CompiledExtend
 from backend.model.decode_inputs import PAD_BLOCK, PAD_SLOT, DecodeInputs
 from backend.model.model import LlamaForCausalLM
 from backend.uploads import on_device
@@ -165,6 +167,7 @@ class ModelRunner:
         self.graph_replays = 0
         self.decode_inputs: DecodeInputs | None = None  # host staging of the graphs' inputs
         self.compiled_decode: CompiledDecode | None = None  # a CPU's compiled decode steps, when asked for
+        self.compiled_extend: CompiledExtend | None = None  # and its other steps compiled, when asked for
         self.launched: collections.deque[torch.Tensor] = collections.deque()  # logits not collected yet
 
     def init_decode_inputs(self, max_batch_size: int, max_blocks: int, max_tokens_per_row: int = 1) -> None:
@@ -199,14 +202,23 @@ class ModelRunner:
     def compile_decode(self) -> None:
         """Run decode steps compiled from now on (a CPU; compiles at once). A machine where
         torch.compile cannot build (no C++ compiler) fails the load, naming the parameter."""
-        compiled = CompiledDecode(self.model, self.kv_caches)
+        self.compiled_decode = self._warm_up(CompiledDecode(self.model, self.kv_caches), "compile_decode",
+                                             "the decode step")
+
+    def compile_prefill(self) -> None:
+        """Run steps of several tokens per request compiled from now on (a CPU; compiles at once),
+        failing the load as `compile_decode` does."""
+        self.compiled_extend = self._warm_up(CompiledExtend(self.model, self.kv_caches), "compile_prefill",
+                                             "the prefill step")
+
+    def _warm_up(self, compiled: CompiledDecode | CompiledExtend, parameter: str, what: str):
         try:
             compiled.warm_up(self.block_size)
         except Exception as e:  # inductor's errors have no common base
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ValidationError("compile_decode", f"torch.compile could not build the decode step ({reason}); "
-                                  "set compile_decode to false, or install a C++ compiler") from e
-        self.compiled_decode = compiled
+            raise ValidationError(parameter, f"torch.compile could not build {what} ({reason}); "
+                                  f"set {parameter} to false, or install a C++ compiler") from e
+        return compiled
 
     @torch.inference_mode()
     def capture_graphs(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
@@ -358,9 +370,13 @@ class ModelRunner:
             if logits is not None:
                 return logits
         input_ids, positions, meta, logits_indices = self.prepare(step)
-        if self.compiled_decode is not None and intermediate is None and is_host_decode(step):
+        decode = is_host_decode(step)
+        if self.compiled_decode is not None and intermediate is None and decode:
             if self.compiled_decode.takes(len(step.token_ids)):
                 return self.compiled_decode.run(input_ids, positions, meta, logits_indices)
             self.compiled_decode.dense_steps += 1
         self._fill_from_device(input_ids, step)
+        if self.compiled_extend is not None and intermediate is None and not decode \
+                and self.compiled_extend.takes(input_ids.shape[0], logits_indices.shape[0]):
+            return self.compiled_extend.run(input_ids, positions, meta, logits_indices)
         return self.model(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices, intermediate)
