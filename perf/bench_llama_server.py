@@ -102,7 +102,8 @@ def run_llama(args, gguf: Path) -> dict[int, dict]:
     slots = max(args.streams)
     cmd = [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
            "-tb", str(args.threads), "--parallel", str(slots), "-c", str(slots * 512), "--no-webui"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(args.llama_log, "w") if args.llama_log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         return measure(args, port, "smollm2")
     finally:
@@ -145,6 +146,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--llama-log", help="a file for llama-server's own log")
     p.add_argument("--variants", nargs="+", default=["int4:1", "int4:2", "int4:1:compiled", "int4:2:compiled"],
                    help="this engine's configurations, quantization:engine threads[:flag...] (the rest of the "
                         "machine's cores serve tritonserver, the OpenAI layer and the load); flags: compiled "
