@@ -5,7 +5,9 @@ reference attention or the CPU kernel (`attention_backend` torch / cpu), decode 
 Each configuration is one engine (quantization --quantization, --threads threads); for each prompt
 length of --prompt-lengths, a prompt alone is prefilled (one token asked, so the step ends with
 its prefill; prefix caching off, so every repeat prefills it all), median of --repeats after 3
-warm-ups; then a batch-1 decode step (perf/profile_step.py's `decode_steps`), median of 64.
+warm-ups; for each count of --bursts, that many 13-token prompts arriving together (the time until
+the last has its token: one step of them all), median of 5 after 1 warm-up; then a batch-1 decode
+step (perf/profile_step.py's `decode_steps`), median of 64.
 
     python perf/bench_compiled_steps.py --threads 2
 """
@@ -33,8 +35,9 @@ CONFIGS = {  # label -> engine knobs
 }
 
 
-def prefill_seconds(engine: LLMEngine, length: int) -> float:
-    engine.add_request(list(range(100, 100 + length)), SamplingParams(max_tokens=1, temperature=0.0))
+def prefill_seconds(engine: LLMEngine, length: int, prompts: int = 1) -> float:
+    for i in range(prompts):
+        engine.add_request(list(range(100 + i, 100 + i + length)), SamplingParams(max_tokens=1, temperature=0.0))
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -48,6 +51,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[8, 13, 24])
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--bursts", type=int, nargs="+", default=[8, 32])
     args = p.parse_args()
     rows = {}
     for label, knobs in CONFIGS.items():
@@ -58,12 +62,16 @@ def main() -> None:
             for _ in range(3):
                 prefill_seconds(engine, length)
             times.append(statistics.median(prefill_seconds(engine, length) for _ in range(args.repeats)))
+        for prompts in args.bursts:
+            prefill_seconds(engine, 13, prompts)
+            times.append(statistics.median(prefill_seconds(engine, 13, prompts) for _ in range(5)))
         times.append(statistics.median(decode_steps(engine, 64)))
         rows[label] = times
         print(f"{label}: done", flush=True)
     first = next(iter(rows.values()))
     print(f"\n{args.model.name}, {args.quantization}, {args.threads} threads; ms, and the first row's time over each\n")
-    heads = [f"prefill {n} tokens" for n in args.prompt_lengths] + ["decode step"]
+    heads = ([f"prefill {n} tokens" for n in args.prompt_lengths] + [f"{n} prompts of 13" for n in args.bursts]
+             + ["decode step"])
     print("| configuration | " + " | ".join(heads) + " |")
     print("|---|" + "---:|" * len(heads))
     for label, times in rows.items():

@@ -10,10 +10,11 @@ Only decode steps take this path (every request computes one token, read from th
 position correction); prefill, chunked prefill and verification run eagerly. The forward is traced
 with two dynamic sizes, the requests and the pages each reads, into two graphs, one request and
 several (torch specializes a size of 1), both compiled at start-up so that no request waits for
-the compiler; inductor keeps the compiled code on disk, so the next start is shorter. Quantized
-layers keep their packed kernels in the graphs; where they also keep dense copies for many rows
-(quantization_dense_rows), decode steps from the number of requests at which the eager step
-measured faster at start-up run eagerly, through the copies. A step's block tables are padded to
+the compiler; inductor keeps the compiled code on disk, so the next start is shorter. Where
+quantized layers keep dense copies for many rows (quantization_dense_rows), int4 layers choose
+them inside the graphs by row count (backend/model/quantized_linear.py, `int4_product`); int8 ones
+keep their packed kernels there, and decode steps from the number of requests at which the eager
+step measured faster at start-up run eagerly, through the copies. A step's block tables are padded to
 at least two pages (the padding masked), so that a short context never meets a size of 1. The
 warm-up's sizes are all different numbers: torch would take two sizes that are equal at tracing to
 be equal always.

@@ -15,9 +15,10 @@ or verification's several rows per request), both compiled at start-up. A step o
 gets a second of no tokens, and block tables at least two pages, so that no size is ever 1 (a
 size of 1 would be a graph of its own).
 
-A step runs so when its token count is below that from which a quantized layer multiplies by its
-dense copy (quantization_dense_rows): there, eager steps run the dense products, which the graphs
-do not (a branch on the row count would be a condition on the graph).
+int4 layers choose their float32 dense copies (quantization_dense_rows) from the row count inside
+the operator the graphs call, so a step of any token count runs compiled. Where a quantized layer's
+dense copy cannot go through a graph (int8, or a prepacked bfloat16 copy), steps from its row
+count on run eagerly, through the copy (a branch on the row count would be a condition on the graph).
 """
 from __future__ import annotations
 
@@ -64,8 +65,9 @@ class CompiledExtend:
         self.attention = ExtendAttention()
         self.forward = torch.compile(model.forward, fullgraph=True)  # sizes marked dynamic in warm_up
         torch._dynamo.config.recompile_limit += GRAPHS  # (as CompiledDecode: the forward's code is shared)
-        dense = [m.dense_min_rows for m in model.modules() if isinstance(m, WeightOnlyLinear) and m.dense_weight is not None]
-        # steps of this many tokens or more run eagerly, through the quantized layers' dense copies
+        dense = [m.dense_min_rows for m in model.modules() if isinstance(m, WeightOnlyLinear)
+                 and m.dense_weight is not None and not getattr(m, "dense_in_graphs", False)]
+        # steps of this many tokens or more run eagerly, through dense copies the graphs do not use
         self.max_tokens: int | None = min(dense) if dense else None
         self.steps = 0  # steps run compiled
         self.eager_steps = 0  # steps that would have compiled a new graph, run eagerly instead

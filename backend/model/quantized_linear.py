@@ -33,8 +33,9 @@ keep a copy of its dequantized weight and use it from `dense_min_rows` rows of i
 (`use_dense_from`; backend/model/linear_tuner.py times both per weight shape at load): in bfloat16
 and oneDNN's layout (`prepack`) where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX), in
 float32 elsewhere, where a bfloat16 GEMM is emulated and slower than the packed kernels (`dense_dtype`).
-Compiled decode steps keep the packed kernels: a branch on the row count would split their graph
-in two.
+Compiled steps choose the same way inside the int4 operator they call (a branch on the row count
+in the traced code would split a graph in two), where the copy is float32; elsewhere (int8, and a
+prepacked bfloat16 copy) they keep the packed kernels.
 
 `fp8` is for GPUs with FP8 tensor cores (compute capability 8.9 on: Ada, Hopper), as vLLM's
 dynamic FP8: weights and activations both FP8 with per-row scales, multiplied by torch's
@@ -244,11 +245,16 @@ class Int4Linear(WeightOnlyLinear):
             y = F.linear(x, self.dequantized_weight().to(x.dtype))
             return y if self.bias is None else y + self.bias
         rows = _rows(x)
+        if self.layout == "blocks" and torch.compiler.is_compiling():
+            # a compiled graph calls the kernel as an operator, which chooses a float32 dense copy
+            # from its row count itself (a comparison here would be a condition on the graph)
+            dense = self.dense_weight if self.dense_in_graphs else None
+            y = int4_product_op(rows.float(), self.qweight, self.step, self.minimum, dense, self.dense_min_rows)
+            y = _unflatten(y.to(x.dtype), x)
+            return y if self.bias is None else y + self.bias
         y = self.dense_product(rows)
-        if y is None and self.layout == "blocks":
-            # (a compiled graph calls the kernel as a torch operator; eagerly, directly: no dispatch)
-            product = int4_cpu.int4_linear_op if torch.compiler.is_compiling() else int4_cpu.int4_linear
-            y = product(rows.float(), self.qweight, self.step, self.minimum)
+        if y is None and self.layout == "blocks":  # (eagerly the kernel is called directly: no dispatch)
+            y = int4_cpu.int4_linear(rows.float(), self.qweight, self.step, self.minimum)
         elif y is None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(KERNEL_DTYPE), self.qweight, self.group_size,
                                                            self.scales_and_zeros)
@@ -256,6 +262,37 @@ class Int4Linear(WeightOnlyLinear):
                 y = y[:, : self.out_features]
         y = _unflatten(y.to(x.dtype), x)
         return y if self.bias is None else y + self.bias
+
+    @property
+    def dense_in_graphs(self) -> bool:
+        """Whether compiled graphs multiply by the dense copy from dense_min_rows rows on, as eager
+        steps do: a float32 copy, in the kernel's layout ("blocks"). (A prepacked bfloat16 copy is
+        oneDNN's opaque layout, not passed through a graph: there, graphs keep the packed kernel.)"""
+        return self.layout == "blocks" and self.dense_weight is not None and self.dense_weight.dtype == torch.float32
+
+
+def int4_product(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                 dense: torch.Tensor | None, dense_min_rows: int) -> torch.Tensor:
+    """x [rows, in] float32 times an int4 layer: by its float32 dense copy from dense_min_rows rows
+    on, by the int4 kernel below that (or without a copy)."""
+    if dense is not None and x.shape[0] >= dense_min_rows:
+        return F.linear(x, dense)
+    return int4_cpu.int4_linear(x, qs, scale, minimum)
+
+
+# (torch.library.Library rather than the custom_op decorator: see kernels/int4_cpu.py)
+_LIBRARY = torch.library.Library("specserve", "FRAGMENT")
+_LIBRARY.define("int4_product(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? dense, "
+                "int dense_min_rows) -> Tensor")
+_LIBRARY.impl("int4_product", int4_product, "CPU")
+
+
+@torch.library.register_fake("specserve::int4_product", lib=_LIBRARY)
+def _(x, qs, scale, minimum, dense, dense_min_rows):
+    return x.new_empty(x.shape[0], qs.shape[0], dtype=torch.float32)
+
+
+int4_product_op = torch.ops.specserve.int4_product.default
 
 
 FP8_WIDTH_MULTIPLE = 16  # _scaled_mm's rule for both widths of a weight

@@ -13,7 +13,9 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.errors import ValidationError
 from backend.model.model_runner import StepInput
+from backend.model.quantized_linear import Int4Linear, int4_product_op
 from backend.sampling_params import SamplingParams
+from kernels import int4_cpu
 from tests.model.test_eagle import eagle_engine, head  # noqa: F401 (a fixture)
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
 from tests.model.test_quantization import hf_quantized_greedy
@@ -59,20 +61,36 @@ def test_compiled_prefill_with_int4_layers_matches_hf_with_the_same_layers(tiny_
     assert engine.runner.compiled_extend.eager_steps == engine.runner.compiled_decode.eager_steps == 0
 
 
-def test_steps_from_the_dense_rows_on_run_eagerly(tiny_llama):
-    """With int4 layers multiplying densely from 16 rows on, steps of 2 to 15 tokens run compiled
-    and longer ones eagerly through the copies, with the eager engine's tokens."""
+def test_int4_dense_copies_are_chosen_inside_the_graph(tiny_llama):
+    """With int4 layers multiplying densely from 16 rows on, steps of any token count run compiled
+    (a 4-token prompt alone, then 6 prompts in one step of 285 tokens), with the eager engine's
+    tokens."""
     engine = extend_engine(tiny_llama, quantization="int4", quantization_dense_rows=16)
     compiled = engine.runner.compiled_extend
-    assert compiled.max_tokens == 16
-    assert compiled.takes(15, 1) and not compiled.takes(16, 1) and not compiled.takes(1, 1) and not compiled.takes(8, 0)
-    got = run_engine(engine, [[5, 6, 7, 8]], [4])
-    assert compiled.steps == 1  # its prefill
-    prompts, max_tokens = mixed_prompts(6, seed=17)  # their first step: 6 prompts together, eagerly
-    got += run_engine(engine, prompts, max_tokens)
-    assert compiled.steps == 1 and compiled.eager_steps == 0
+    assert compiled.max_tokens is None
+    assert compiled.takes(300, 1) and not compiled.takes(1, 1) and not compiled.takes(8, 0)
+    prompts, max_tokens = mixed_prompts(6, seed=17)
+    got = run_engine(engine, [[5, 6, 7, 8]], [4]) + run_engine(engine, prompts, max_tokens)
+    assert compiled.steps == 2 and compiled.eager_steps == 0
     eager = LLMEngine(EngineConfig(model=str(tiny_llama), quantization="int4", quantization_dense_rows=16))
     assert got == run_engine(eager, [[5, 6, 7, 8]], [4]) + run_engine(eager, prompts, max_tokens)
+
+
+def test_the_int4_operator_multiplies_by_the_dense_copy_from_its_rows_on():
+    """The operator the graphs call: below dense_min_rows the int4 kernel, from it on the copy (here
+    a copy that is not the layer's weight, so that the two differ)."""
+    layer = Int4Linear(torch.randn(48, 64), None, 32)
+    if layer.layout != "blocks":
+        pytest.skip("needs the int4 CPU kernel")
+    other = torch.randn(48, 64)
+    for rows in (1, 5, 6, 9):
+        x = torch.randn(rows, 64)
+        got = int4_product_op(x, layer.qweight, layer.step, layer.minimum, other, 6)
+        expected = x @ other.t() if rows >= 6 else int4_cpu.int4_linear(x, layer.qweight, layer.step, layer.minimum)
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    x = torch.randn(9, 64)
+    assert torch.equal(int4_product_op(x, layer.qweight, layer.step, layer.minimum, None, 0),
+                       int4_cpu.int4_linear(x, layer.qweight, layer.step, layer.minimum))
 
 
 def test_verification_steps_run_compiled_beside_an_eagle_head(tiny_llama, head):  # noqa: F811

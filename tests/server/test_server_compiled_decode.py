@@ -1,6 +1,7 @@
-"""compile_decode through a real tritonserver: the engine compiles its decode graphs inside the
-python backend at load, and `llm` over it streams the same greedy text as `llm_eager`, an engine
-of the same model without it, for concurrent requests (decode batches of several) and one alone."""
+"""compile_decode and compile_prefill through a real tritonserver: the engine compiles its decode
+and prefill graphs inside the python backend at load, and `llm` over it streams the same greedy
+text as `llm_eager`, an engine of the same model without them, for concurrent requests (prefills
+together, decode batches of several) and one alone."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +19,8 @@ PROMPTS = ["Once upon a time, a little robot", "def main():", "The capital of", 
 def compiled_server(tmp_path_factory):
     from tests.server.conftest import start_test_server
 
-    server = start_test_server(tmp_path_factory.mktemp("compiled"), "", parameters={"compile_decode": "true"},
-                               variants={"eager": {"compile_decode": "false"}})
+    server = start_test_server(tmp_path_factory.mktemp("compiled"), "", parameters={"compile_decode": "true", "compile_prefill": "true"},
+                               variants={"eager": {"compile_decode": "false", "compile_prefill": "false"}})
     yield server
     server.handle.stop()
 
