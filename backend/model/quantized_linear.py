@@ -30,12 +30,11 @@ than the float model).
 The packed kernels' time grows with the rows (torch's convert every weight to a float for every
 row of input): at a prefill's hundreds of rows a dense GEMM is several times faster. A layer can
 keep a copy of its dequantized weight and use it from `dense_min_rows` rows of input on
-(`use_dense_from`; backend/model/linear_tuner.py times both per weight shape at load): in bfloat16
-and oneDNN's layout (`prepack`) where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX), in
+(`use_dense_from`; backend/model/linear_tuner.py times both per weight shape at load), in oneDNN's
+layout (`prepack`): in bfloat16 where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX), in
 float32 elsewhere, where a bfloat16 GEMM is emulated and slower than the packed kernels (`dense_dtype`).
 Compiled steps choose the same way inside the int4 operator they call (a branch on the row count
-in the traced code would split a graph in two), where the copy is float32; elsewhere (int8, and a
-prepacked bfloat16 copy) they keep the packed kernels.
+in the traced code would split a graph in two); int8 layers keep their packed kernels there.
 
 `fp8` is for GPUs with FP8 tensor cores (compute capability 8.9 on: Ada, Hopper), as vLLM's
 dynamic FP8: weights and activations both FP8 with per-row scales, multiplied by torch's
@@ -50,6 +49,8 @@ measuring FP8's quality, not for serving.
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -100,18 +101,31 @@ def dense_dtype() -> torch.dtype:
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 [out, in] weight in oneDNN's blocked layout for its matmul, where the CPU has it
-    (the weight as it is elsewhere). torch's plain bfloat16 matmul reorders the weight into that
-    layout on every call: measured on the default model's layer shapes at 2 threads, a prepacked
-    product of 1-13 rows takes 13 ms for all 30 layers against 20 ms, with equal results."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn_bfloat16() else weight
+    """A dense [out, in] weight in oneDNN's blocked layout for its matmul (bfloat16 where the CPU
+    multiplies it natively; float32 on any CPU oneDNN runs on), the weight as it is elsewhere.
+    torch's plain bfloat16 matmul reorders the weight into that layout on every call (measured on
+    the default model's layer shapes at 2 threads: a prepacked product of 1-13 rows takes 13 ms for
+    all 30 layers against 20 ms), and on an AVX2-only CPU oneDNN's prepacked float32 product runs
+    1.05-1.5x torch's (MKL's) at 128-416 rows of the default model's shapes (150 against 100-143
+    GFLOP/s at 2 threads)."""
+    native = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and onednn_bfloat16())
+    if weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and native:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return weight
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows, in] times a weight from `prepack`, both in `dense_dtype()`."""
-    if x.dtype == torch.bfloat16 and onednn_bfloat16():
+    if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
     return F.linear(x, weight)
+
+
+# Dense copies by number, for the operator compiled graphs call (`int4_product`): a prepacked copy
+# is an opaque oneDNN tensor, which a graph cannot take as an input. Held weakly: a layer's copy
+# goes with the layer.
+_DENSE_COPIES: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_DENSE_NUMBERS = itertools.count()
 
 
 class WeightOnlyLinear(nn.Module):
@@ -122,6 +136,7 @@ class WeightOnlyLinear(nn.Module):
         self.weight_shape = tuple(weight.shape)  # (out, in)
         self.dense_weight: torch.Tensor | None = None  # [out, in] in dense_dtype(), the dequantized weight
         self.dense_min_rows = 0  # rows of input from which dense_weight multiplies
+        self.dense_number = -1  # dense_weight's in _DENSE_COPIES (-1: none)
 
     def dequantized_weight(self) -> torch.Tensor:  # [out, in] float32
         raise NotImplementedError
@@ -131,6 +146,10 @@ class WeightOnlyLinear(nn.Module):
         `dense_dtype()` (None: never, and no copy kept)."""
         self.dense_weight = None if rows is None else prepack(self.dequantized_weight().to(dense_dtype()))
         self.dense_min_rows = rows or 0
+        self.dense_number = -1
+        if self.dense_weight is not None:
+            self.dense_number = next(_DENSE_NUMBERS)
+            _DENSE_COPIES[self.dense_number] = self.dense_weight
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [rows, in] times the dense copy, [rows, out] in the copy's dtype; None where the
@@ -246,10 +265,10 @@ class Int4Linear(WeightOnlyLinear):
             return y if self.bias is None else y + self.bias
         rows = _rows(x)
         if self.layout == "blocks" and torch.compiler.is_compiling():
-            # a compiled graph calls the kernel as an operator, which chooses a float32 dense copy
-            # from its row count itself (a comparison here would be a condition on the graph)
-            dense = self.dense_weight if self.dense_in_graphs else None
-            y = int4_product_op(rows.float(), self.qweight, self.step, self.minimum, dense, self.dense_min_rows)
+            # a compiled graph calls the kernel as an operator, which chooses the dense copy from
+            # its row count itself (a comparison here would be a condition on the graph)
+            y = int4_product_op(rows.float(), self.qweight, self.step, self.minimum, self.dense_number,
+                                self.dense_min_rows)
             y = _unflatten(y.to(x.dtype), x)
             return y if self.bias is None else y + self.bias
         y = self.dense_product(rows)
@@ -266,23 +285,23 @@ class Int4Linear(WeightOnlyLinear):
     @property
     def dense_in_graphs(self) -> bool:
         """Whether compiled graphs multiply by the dense copy from dense_min_rows rows on, as eager
-        steps do: a float32 copy, in the kernel's layout ("blocks"). (A prepacked bfloat16 copy is
-        oneDNN's opaque layout, not passed through a graph: there, graphs keep the packed kernel.)"""
-        return self.layout == "blocks" and self.dense_weight is not None and self.dense_weight.dtype == torch.float32
+        steps do (the kernel's layout, "blocks")."""
+        return self.layout == "blocks" and self.dense_weight is not None
 
 
 def int4_product(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                 dense: torch.Tensor | None, dense_min_rows: int) -> torch.Tensor:
-    """x [rows, in] float32 times an int4 layer: by its float32 dense copy from dense_min_rows rows
-    on, by the int4 kernel below that (or without a copy)."""
-    if dense is not None and x.shape[0] >= dense_min_rows:
-        return F.linear(x, dense)
+                 dense: int, dense_min_rows: int) -> torch.Tensor:
+    """x [rows, in] float32 times an int4 layer, float32: by its dense copy (`_DENSE_COPIES[dense]`)
+    from dense_min_rows rows on, by the int4 kernel below that or without a copy (dense -1)."""
+    if dense >= 0 and x.shape[0] >= dense_min_rows:
+        weight = _DENSE_COPIES[dense]
+        return dense_linear(x.to(weight.dtype), weight).float()
     return int4_cpu.int4_linear(x, qs, scale, minimum)
 
 
 # (torch.library.Library rather than the custom_op decorator: see kernels/int4_cpu.py)
 _LIBRARY = torch.library.Library("specserve", "FRAGMENT")
-_LIBRARY.define("int4_product(Tensor x, Tensor qs, Tensor scale, Tensor minimum, Tensor? dense, "
+_LIBRARY.define("int4_product(Tensor x, Tensor qs, Tensor scale, Tensor minimum, int dense, "
                 "int dense_min_rows) -> Tensor")
 _LIBRARY.impl("int4_product", int4_product, "CPU")
 

@@ -13,7 +13,8 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.errors import ValidationError
 from backend.model.model_runner import StepInput
-from backend.model.quantized_linear import Int4Linear, int4_product_op
+from backend.model import quantized_linear
+from backend.model.quantized_linear import Int4Linear, dense_linear, int4_product_op, prepack
 from backend.sampling_params import SamplingParams
 from kernels import int4_cpu
 from tests.model.test_eagle import eagle_engine, head  # noqa: F401 (a fixture)
@@ -77,19 +78,22 @@ def test_int4_dense_copies_are_chosen_inside_the_graph(tiny_llama):
 
 
 def test_the_int4_operator_multiplies_by_the_dense_copy_from_its_rows_on():
-    """The operator the graphs call: below dense_min_rows the int4 kernel, from it on the copy (here
-    a copy that is not the layer's weight, so that the two differ)."""
+    """The operator the graphs call: below dense_min_rows the int4 kernel, from it on the layer's
+    dense copy (here replaced by another weight, so that the two products differ)."""
     layer = Int4Linear(torch.randn(48, 64), None, 32)
     if layer.layout != "blocks":
         pytest.skip("needs the int4 CPU kernel")
-    other = torch.randn(48, 64)
+    layer.use_dense_from(6)
+    other = prepack(torch.randn(48, 64))
+    quantized_linear._DENSE_COPIES[layer.dense_number] = other
     for rows in (1, 5, 6, 9):
         x = torch.randn(rows, 64)
-        got = int4_product_op(x, layer.qweight, layer.step, layer.minimum, other, 6)
-        expected = x @ other.t() if rows >= 6 else int4_cpu.int4_linear(x, layer.qweight, layer.step, layer.minimum)
+        got = int4_product_op(x, layer.qweight, layer.step, layer.minimum, layer.dense_number, 6)
+        expected = dense_linear(x, other) if rows >= 6 else int4_cpu.int4_linear(x, layer.qweight, layer.step,
+                                                                                   layer.minimum)
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
     x = torch.randn(9, 64)
-    assert torch.equal(int4_product_op(x, layer.qweight, layer.step, layer.minimum, None, 0),
+    assert torch.equal(int4_product_op(x, layer.qweight, layer.step, layer.minimum, -1, 0),
                        int4_cpu.int4_linear(x, layer.qweight, layer.step, layer.minimum))
 
 
