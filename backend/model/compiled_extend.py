@@ -15,10 +15,11 @@ or verification's several rows per request), both compiled at start-up. A step o
 gets a second of no tokens, and block tables at least two pages, so that no size is ever 1 (a
 size of 1 would be a graph of its own).
 
-int4 layers choose their float32 dense copies (quantization_dense_rows) from the row count inside
-the operator the graphs call, so a step of any token count runs compiled. Where a quantized layer's
-dense copy cannot go through a graph (int8, or a prepacked bfloat16 copy), steps from its row
-count on run eagerly, through the copy (a branch on the row count would be a condition on the graph).
+int4 layers choose their dense copies (quantization_dense_rows) by row count inside the operator
+the graphs call (backend/model/quantized_linear.py, `int4_product`), so a step of any token count
+runs compiled. int8 layers' graphs keep their packed kernels: with int8 copies, steps from a
+copy's row count on run eagerly, through it (a branch on the row count in the traced code would
+be a condition on the graph).
 """
 from __future__ import annotations
 
