@@ -18,8 +18,9 @@
    the second), and x's int16 values are stored in the same order ("planes") when it is quantized,
    so the codes need no widening or shuffling. Per pair of blocks the four products are summed in
    int32 lanes, 4 lanes per block, converted once and scaled by [d0 scale0 x4, d1 scale1 x4]; the
-   minimums' part (minimum . s) is a float dot product of its own, 8 blocks at a time. A block's
-   codes are unpacked once for up to TILE rows of x. */
+   minimums' part (minimum . s) is a float dot product, 8 blocks at a time, into the same sums (a
+   row's lanes are added up at the end: a second set of sums kept 4 more registers live and spilled
+   at 4 rows). A block's codes are unpacked once for up to TILE rows of x. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -110,11 +111,10 @@ static inline __attribute__((always_inline)) void dot_tile(
     const uint8_t *wq = qs + n * (k / 2);
     const uint16_t *ws = scale + n * blocks, *wm = minimum + n * blocks;
     const __m256i low = _mm256_set1_epi16(0x0F);
-    __m256 acc[TILE], accm[TILE];
+    __m256 acc[TILE];  /* one per row; summed across lanes at the end, so any part may go in any lane */
     float rest[TILE];
     for (int t = 0; t < nr; t++) {
         acc[t] = _mm256_setzero_ps();
-        accm[t] = _mm256_setzero_ps();
         rest[t] = 0.0f;
     }
     for (int64_t g = 0; g < groups; g++) {  /* 8 blocks: their scales and minimums in one load each */
@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void dot_tile(
         PAIR(4 * g + 3, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)));
         const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + 8 * g)));
         for (int t = 0; t < nr; t++)
-            accm[t] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + (r0 + t) * blocks + 8 * g), accm[t]);
+            acc[t] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + (r0 + t) * blocks + 8 * g), acc[t]);
     }
     for (int64_t p = 4 * groups; p < pairs; p++)
         PAIR(p, two_halves(ws + 2 * p));
@@ -156,7 +156,7 @@ static inline __attribute__((always_inline)) void dot_tile(
         }
     }
     for (int t = 0; t < nr; t++)
-        y[(r0 + t) * out + n] = hsum(_mm256_add_ps(acc[t], accm[t])) + rest[t];
+        y[(r0 + t) * out + n] = hsum(acc[t]) + rest[t];
 }
 
 /* x [m, k] float32 (k a multiple of 32) times the weight [out, k] given as qs [out, k / 2] codes,
