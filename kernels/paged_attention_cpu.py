@@ -9,7 +9,8 @@ on the host: a decode step, a prefill, a verification and a mix of them are one 
 
     paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
         the reference's contract; the kernel where `supports(q, k_cache)` (float32, a head size
-        a multiple of 16, an x86 CPU with AVX2 and a C compiler), else the reference itself.
+        a multiple of 16, an x86 CPU with AVX2 and a C compiler), else the reference itself
+    kernel_attention(...)   the same arguments, the kernel without the check
 
 `torch.ops.specserve.paged_attention` is the same as a torch operator, for compiled graphs.
 """
@@ -41,6 +42,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the pool are clamped into it). Returns [tokens, heads, head_dim]."""
     if not supports(q, k_cache):
         return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    return kernel_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+
+def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_attention` by the kernel, for a caller that has asked `supports` already."""
     q = q.contiguous()
     cu_seqlens_q, seq_lens, block_tables = (_int32(t) for t in (cu_seqlens_q, seq_lens, block_tables))
     out = torch.empty_like(q)

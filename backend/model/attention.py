@@ -75,8 +75,8 @@ class CpuAttention(TorchAttention):
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not paged_attention_cpu.supports(q, k_cache):
             return super().forward(q, k_cache, v_cache, meta, scale)
-        return paged_attention_cpu.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                                   meta.block_tables, scale)
+        return paged_attention_cpu.kernel_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                                    meta.block_tables, scale)
 
 
 class TritonAttention(AttentionBackend):

@@ -67,7 +67,7 @@ class CompiledExtend:
         self.forward = torch.compile(model.forward, fullgraph=True)  # sizes marked dynamic in warm_up
         torch._dynamo.config.recompile_limit += GRAPHS  # (as CompiledDecode: the forward's code is shared)
         dense = [m.dense_min_rows for m in model.modules() if isinstance(m, WeightOnlyLinear)
-                 and m.dense_weight is not None and not getattr(m, "dense_in_graphs", False)]
+                 and m.dense_weight is not None and not m.dense_in_graphs]
         # steps of this many tokens or more run eagerly, through dense copies the graphs do not use
         self.max_tokens: int | None = min(dense) if dense else None
         self.steps = 0  # steps run compiled

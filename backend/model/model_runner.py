@@ -370,13 +370,14 @@ class ModelRunner:
             if logits is not None:
                 return logits
         input_ids, positions, meta, logits_indices = self.prepare(step)
-        decode = is_host_decode(step)
-        if self.compiled_decode is not None and intermediate is None and decode:
+        compiled = intermediate is None and (self.compiled_decode is not None or self.compiled_extend is not None)
+        decode = compiled and is_host_decode(step)  # (asked only where a compiled path may take the step)
+        if decode and self.compiled_decode is not None:
             if self.compiled_decode.takes(len(step.token_ids)):
                 return self.compiled_decode.run(input_ids, positions, meta, logits_indices)
             self.compiled_decode.dense_steps += 1
         self._fill_from_device(input_ids, step)
-        if self.compiled_extend is not None and intermediate is None and not decode \
+        if compiled and not decode and self.compiled_extend is not None \
                 and self.compiled_extend.takes(input_ids.shape[0], logits_indices.shape[0]):
             return self.compiled_extend.run(input_ids, positions, meta, logits_indices)
         return self.model(input_ids, positions, self.kv_caches, self.attention, meta, logits_indices, intermediate)

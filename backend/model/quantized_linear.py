@@ -151,6 +151,12 @@ class WeightOnlyLinear(nn.Module):
             self.dense_number = next(_DENSE_NUMBERS)
             _DENSE_COPIES[self.dense_number] = self.dense_weight
 
+    @property
+    def dense_in_graphs(self) -> bool:
+        """Whether compiled graphs multiply by the dense copy from dense_min_rows rows on, as eager
+        steps do (they keep the packed kernel here; Int4Linear's do)."""
+        return False
+
     def dense_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [rows, in] times the dense copy, [rows, out] in the copy's dtype; None where the
         packed kernel is to run."""
@@ -284,8 +290,7 @@ class Int4Linear(WeightOnlyLinear):
 
     @property
     def dense_in_graphs(self) -> bool:
-        """Whether compiled graphs multiply by the dense copy from dense_min_rows rows on, as eager
-        steps do (the kernel's layout, "blocks")."""
+        """In the kernel's layout ("blocks"), through the operator the graphs call (`int4_product`)."""
         return self.layout == "blocks" and self.dense_weight is not None
 
 

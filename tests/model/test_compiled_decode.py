@@ -97,28 +97,40 @@ def test_a_compiled_step_writes_what_the_eager_step_writes(tiny_llama, head):  #
         engine.add_request(prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    runner, bs = engine.runner, engine.config.block_size
+    bs = engine.config.block_size
     step = StepInput([], [], [], [])
     for request in engine.requests.values():
         step.add([request.all_token_ids[-1]], request.num_computed_tokens, request.block_table, 1)
     slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(step.block_tables, step.start_positions)])
-    pool = engine.model.feature_pool
+    assert_compiled_step_writes_as_eager(engine, step, slots, "compiled_decode")
+
+
+def assert_compiled_step_writes_as_eager(engine: LLMEngine, step: StepInput, slots: torch.Tensor,
+                                         compiled_name: str) -> torch.Tensor:
+    """Runs `step` through the runner's compiled path `compiled_name` (it must take the step), then
+    eagerly on the same inputs: the same logits, and the same K/V and EAGLE features at `slots`.
+    Returns the compiled step's logits."""
+    runner, pool = engine.runner, engine.model.feature_pool
+    compiled_path = getattr(runner, compiled_name)
 
     def written() -> list[torch.Tensor]:
         return [pool[slots].clone()] + [cache.flatten(0, 1)[slots].clone() for layer in runner.kv_caches for cache in layer]
 
-    compiled_steps = runner.compiled_decode.steps
+    compiled_steps = compiled_path.steps
     compiled_logits = runner.run(step)
-    assert runner.compiled_decode.steps == compiled_steps + 1
+    assert compiled_path.steps == compiled_steps + 1
     compiled = written()
     pool[slots] = 0
-    runner.compiled_decode, compiled_decode = None, runner.compiled_decode
-    eager_logits = runner.run(step)
-    runner.compiled_decode = compiled_decode
+    setattr(runner, compiled_name, None)
+    try:
+        eager_logits = runner.run(step)
+    finally:
+        setattr(runner, compiled_name, compiled_path)
     assert compiled[0].abs().sum() > 0
     torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
     for got, expected in zip(compiled, written()):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    return compiled_logits
 
 
 def test_models_compiled_one_after_another_in_one_process_each_get_their_graphs(tiny_llama, tiny_qwen2, head):  # noqa: F811

@@ -17,6 +17,7 @@ from backend.model import quantized_linear
 from backend.model.quantized_linear import Int4Linear, dense_linear, int4_product_op, prepack
 from backend.sampling_params import SamplingParams
 from kernels import int4_cpu
+from tests.model.test_compiled_decode import assert_compiled_step_writes_as_eager
 from tests.model.test_eagle import eagle_engine, head  # noqa: F401 (a fixture)
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
 from tests.model.test_quantization import hf_quantized_greedy
@@ -116,7 +117,7 @@ def test_a_compiled_mixed_step_writes_what_the_eager_step_writes(tiny_llama, hea
         engine.add_request(prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    runner, bs = engine.runner, engine.config.block_size
+    bs = engine.config.block_size
     step = StepInput([], [], [], [])
     for request in engine.requests.values():
         step.add([request.all_token_ids[-1]], request.num_computed_tokens, request.block_table, 1)
@@ -126,23 +127,8 @@ def test_a_compiled_mixed_step_writes_what_the_eager_step_writes(tiny_llama, hea
     slots = torch.tensor([t[p // bs] * bs + p % bs for tokens, start, t in
                           zip(step.token_ids, step.start_positions, step.block_tables)
                           for p in range(start, start + len(tokens))])
-    pool = engine.model.feature_pool
-
-    def written() -> list[torch.Tensor]:
-        return [pool[slots].clone()] + [cache.flatten(0, 1)[slots].clone() for layer in runner.kv_caches for cache in layer]
-
-    before = runner.compiled_extend.steps
-    compiled_logits = runner.run(step)
-    assert runner.compiled_extend.steps == before + 1 and compiled_logits.shape[0] == 2 + 1 + 2
-    compiled = written()
-    pool[slots] = 0
-    runner.compiled_extend, compiled_extend_ = None, runner.compiled_extend
-    eager_logits = runner.run(step)
-    runner.compiled_extend = compiled_extend_
-    assert compiled[0].abs().sum() > 0
-    torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
-    for got, expected in zip(compiled, written()):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    compiled_logits = assert_compiled_step_writes_as_eager(engine, step, slots, "compiled_extend")
+    assert compiled_logits.shape[0] == 2 + 1 + 2
 
 
 def test_compiled_prefill_is_refused_across_ranks(tiny_llama):
