@@ -1,4 +1,6 @@
-"""4-bit weights times int16-quantized activations on an x86 CPU (AVX2, FMA, F16C): int4_cpu.c.
+"""4-bit weights times int16-quantized activations on an x86 CPU (AVX2, FMA, F16C): int4_cpu.c, and
+int4_cpu_avx512.c where the CPU has AVX-512 (the same arithmetic, four blocks an instruction; with
+AVX512-VNNI's fused products where it has them).
 
 torch's packed int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) turns every weight into a float
 for every row of input, so a 13-token prefill's projections took 5.5x a single row's time. Here
@@ -11,9 +13,11 @@ greedy agreement with float32 0.994 -> 0.944, and 16 bits cost the kernel little
     pack(codes) -> qs                        codes [out, in] in [0, 15] -> [out, in / 2] bytes
     int4_linear_ref(x, qs, scale, minimum)   torch: the same quantization, products and sums
     int4_linear(x, qs, scale, minimum)       the kernel: x [m, in] float32 -> [m, out] float32
+    isa()                                    which of the two it runs here: "avx512" or "avx2"
 
 The kernel is compiled on first use (kernels/c_library.py); `available()` is False where it
-cannot be (not x86 with AVX2, no compiler), and callers keep torch's kernel.
+cannot be (not x86 with AVX2, no compiler), and callers keep torch's kernel. Where the AVX-512 one
+cannot be built, the AVX2 one runs.
 `torch.ops.specserve.int4_linear` is the same product as a torch operator, for compiled graphs.
 """
 from __future__ import annotations
@@ -28,6 +32,8 @@ from kernels import c_library
 
 BLOCK = 32  # weights (and input values) sharing a scale
 SOURCE = pathlib.Path(__file__).with_suffix(".c")
+SOURCE_AVX512 = SOURCE.with_name("int4_cpu_avx512.c")
+AVX512_FLAGS = (*c_library.AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl")
 QMAX = 32767  # x's values in int16
 
 
@@ -64,13 +70,15 @@ def int4_linear_ref(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, mini
     return (dots * scale.float()[None] * step[:, None] + minimum.float()[None] * sums[:, None]).sum(-1)
 
 
-def int4_linear(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """The kernel, same contract as `int4_linear_ref` (x float32, any row count, contiguous)."""
+def int4_linear(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                kernel: str | None = None) -> torch.Tensor:
+    """The kernel, same contract as `int4_linear_ref` (x float32, any row count, contiguous);
+    `kernel` "avx2" or "avx512" names one (the CPU must have it), None: `isa()`'s."""
     x = x.contiguous()
     m, width = x.shape
     out = qs.shape[0]
     y = torch.empty(m, out, dtype=torch.float32)
-    _library().int4_linear(x.data_ptr(), m, width, qs.data_ptr(), scale.data_ptr(), minimum.data_ptr(), out,
+    _library(kernel or isa()).int4_linear(x.data_ptr(), m, width, qs.data_ptr(), scale.data_ptr(), minimum.data_ptr(), out,
                            y.data_ptr(), torch.get_num_threads())
     return y
 
@@ -78,12 +86,28 @@ def int4_linear(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum:
 @functools.cache
 def available() -> bool:
     """Whether the kernel runs here (built now if not cached)."""
-    return c_library.runs(_library, "int4 layers use torch's packed kernel")
+    return c_library.runs(lambda: _library("avx2"), "int4 layers use torch's packed kernel")
+
+
+def avx512() -> bool:
+    """Whether this CPU has AVX-512 (F, BW, VL; torch's own AVX-512 kernels need the same)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    lib = c_library.load(SOURCE)
+def isa() -> str:
+    """The kernel that runs here: "avx512" where the CPU has it and it builds, else "avx2"."""
+    if avx512() and c_library.runs(lambda: _library("avx512"), "int4 layers use the AVX2 kernel"):
+        return "avx512"
+    return "avx2"
+
+
+@functools.cache
+def _library(kernel: str) -> ctypes.CDLL:
+    if kernel == "avx512":  # VNNI's fused products where the CPU has them (the source asks __AVX512VNNI__)
+        lib = c_library.load(SOURCE_AVX512, (*AVX512_FLAGS, *(("-mavx512vnni",) if torch.cpu._is_vnni_supported() else ())))
+    else:
+        lib = c_library.load(SOURCE)
     lib.int4_linear.restype = None
     lib.int4_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
