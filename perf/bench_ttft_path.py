@@ -126,12 +126,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="the engine's torch threads")
     p.add_argument("--no-compile", action="store_true", help="leave compile_decode off")
     p.add_argument("--plain", action="store_true", help="no speculation (speculative_method none)")
+    p.add_argument("--compile-prefill", action="store_true", help="compile_prefill on")
     p.add_argument("--max-tokens", type=int, default=1, help="tokens each request asks for (TTFT: the first text)")
     p.add_argument("--requests", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
     overrides = {"quantization": args.quantization, "num_threads": str(args.threads), "enable_prefix_caching": "false",
-                 "compile_decode": str(not args.no_compile).lower()}
+                 "compile_decode": str(not args.no_compile).lower(), "compile_prefill": str(args.compile_prefill).lower()}
     if args.plain:
         overrides["speculative_method"] = "none"
     results: dict[str, list[float]] = {}
