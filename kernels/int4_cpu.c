@@ -1,5 +1,5 @@
 /* y = x @ w.T for 4-bit weights in blocks of 32 on an x86 CPU with AVX2, FMA and F16C
-   (kernels/int4_cpu.py).
+   (kernels/int4_cpu.py); built a second time with AVX-512 (F, BW, VL) where the CPU has it.
 
    A weight block is 32 codes q in [0, 15] with a float16 scale and minimum, w = q * scale + minimum
    (GGUF's Q4_1). Its 16 bytes hold code j in the low nibble of byte j and code j + 16 in the high
@@ -20,14 +20,30 @@
    int32 lanes, 4 lanes per block, converted once and scaled by [d0 scale0 x4, d1 scale1 x4]; the
    minimums' part (minimum . s) is a float dot product, 8 blocks at a time, into the same sums (a
    row's lanes are added up at the end: a second set of sums kept 4 more registers live and spilled
-   at 4 rows). A block's codes are unpacked once for up to TILE rows of x. */
+   at 4 rows). A block's codes are unpacked once for up to TILE rows of x.
+
+   The AVX-512 build reads the codes the same way, 64 bytes at a time: four blocks, whose four
+   vectors of 32 codes (each 128-bit lane one block's 8) meet x's values in 512-bit products, with
+   AVX512-VNNI's vpdpwssd adding each product into the sums where the CPU has it. Its x values go
+   in groups of four blocks while four remain (then a pair, then one alone): plane i of a group of
+   g blocks holds 8 values of each of its blocks, block after block. Per group of four, the sums
+   are converted once and scaled per block; the minimums' part is 16 blocks at a time; a tile is 8
+   rows (32 vector registers). A row's last pair and last odd block take the AVX2 code. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 32
+#ifdef __AVX512BW__
+#define GROUP 4  /* blocks an instruction's codes come from */
+#define TILE 8
+typedef __m512 sums_t;
+#else
+#define GROUP 2
 #define TILE 4
+typedef __m256 sums_t;
+#endif
 #define QMAX 32767.0f  /* x values in int16 */
 #define PREFETCH 2048  /* bytes of codes read ahead: one core's own streams leave memory idle */
 
@@ -38,10 +54,24 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The group of x's blocks that block b belongs to in a row of `blocks`: its first block, and its
+   size in *size (GROUP while GROUP remain, then a pair, then one). */
+static inline int64_t group_of(int64_t b, int64_t blocks, int *size) {
+    if (GROUP == 4 && b < (blocks & ~(int64_t)3)) {
+        *size = 4;
+        return b & ~(int64_t)3;
+    }
+    if (b < (blocks & ~(int64_t)1)) {
+        *size = 2;
+        return b & ~(int64_t)1;
+    }
+    *size = 1;
+    return b;
+}
+
 /* Block b of a row of x (32 floats at v) -> int16 values (v * (1 / d), rounded to nearest even) at
    their place in the row's planes (xrow), its step d four times (d4) and its float sum (s).
-   A block in a pair fills 8 of the 16 values of each of the pair's four planes; the last block of
-   an odd count has four planes of 8 of its own. */
+   A block in a group of g fills 8 of the 8g values of each of the group's four planes. */
 static inline void quantize_block(const float *v, int16_t *xrow, int64_t b, int64_t blocks, float *d4, float *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 x[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
@@ -58,9 +88,10 @@ static inline void quantize_block(const float *v, int16_t *xrow, int64_t b, int6
     int32_t q[BLOCK];
     for (int i = 0; i < 4; i++)  /* cvtps rounds to nearest even (the default MXCSR mode) */
         _mm256_storeu_si256((__m256i *)(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv)));
-    const int paired = (b ^ 1) < blocks;  /* b's partner in its pair exists */
-    int16_t *dst = paired ? xrow + (b >> 1) * 2 * BLOCK + (b & 1) * 8 : xrow + b * BLOCK;
-    const int plane = paired ? 16 : 8;
+    int size;
+    const int64_t first = group_of(b, blocks, &size);
+    int16_t *dst = xrow + first * BLOCK + (b - first) * 8;
+    const int plane = 8 * size;
     for (int i = 0; i < 8; i++) {
         dst[i] = (int16_t)q[2 * i];
         dst[plane + i] = (int16_t)q[2 * i + 16];
@@ -81,9 +112,9 @@ static inline __m256 two_halves(const uint16_t *h) {
 }
 
 /* Rows r0 .. r0 + nr - 1 of x times pair p of weight row wq's blocks, scaled per block by `se`
-   (the weights' scales, [a x4, b x4]) and x's steps, into acc. A macro, so that nr is a constant
-   and the accumulators stay in registers. */
-#define PAIR(p, se) do { \
+   (the weights' scales, [a x4, b x4]) and x's steps, into sums (256 bits a row). A macro, so that
+   nr is a constant and the accumulators stay in registers. */
+#define PAIR(p, se, sums) do { \
         const __m256i packed = _mm256_loadu_si256((const __m256i *)(wq + (p) * BLOCK)); \
         _mm_prefetch((const char *)(wq + (p) * BLOCK + PREFETCH), _MM_HINT_T0); \
         const __m256i q0 = _mm256_and_si256(packed, low); \
@@ -99,37 +130,104 @@ static inline __m256 two_halves(const uint16_t *h) {
                 _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_loadu_si256(xv + 2)), \
                                  _mm256_madd_epi16(q3, _mm256_loadu_si256(xv + 3)))); \
             const __m256 steps = _mm256_loadu_ps(xd + ((r0 + t) * blocks + 2 * (p)) * 4); \
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), steps), (se), acc[t]); \
+            sums[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), steps), (se), sums[t]); \
         } \
     } while (0)
+
+#ifdef __AVX512BW__
+/* sum += a . b in pairs of int16, into int32 lanes */
+static inline __m512i dot_pairs(__m512i sum, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(sum, a, b);
+#else
+    return _mm512_add_epi32(sum, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* PAIR for the four blocks of weight row wq from block b (`se`: their scales, 4 lanes each),
+   into acc (512 bits a row). */
+#define QUAD(b, se) do { \
+        const __m512i packed = _mm512_loadu_si512((const void *)(wq + (b) * (BLOCK / 2))); \
+        _mm_prefetch((const char *)(wq + (b) * (BLOCK / 2) + PREFETCH), _MM_HINT_T0); \
+        const __m512i q0 = _mm512_and_si512(packed, low4); \
+        const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4); \
+        const __m512i q2 = _mm512_and_si512(_mm512_srli_epi16(packed, 8), low4); \
+        const __m512i q3 = _mm512_srli_epi16(packed, 12); \
+        for (int t = 0; t < nr; t++) { \
+            const __m512i *xv = (const __m512i *)(xq + (r0 + t) * k + (b) * BLOCK); \
+            __m512i dot = _mm512_madd_epi16(q0, _mm512_loadu_si512(xv)); \
+            dot = dot_pairs(dot, q1, _mm512_loadu_si512(xv + 1)); \
+            dot = dot_pairs(dot, q2, _mm512_loadu_si512(xv + 2)); \
+            dot = dot_pairs(dot, q3, _mm512_loadu_si512(xv + 3)); \
+            const __m512 steps = _mm512_loadu_ps(xd + ((r0 + t) * blocks + (b)) * 4); \
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), steps), (se), acc[t]); \
+        } \
+    } while (0)
+
+/* [a x4, b x4, c x4, d x4] from the scales of blocks 4i .. 4i + 3 in s16 */
+static inline __m512 quad_scales(__m512 s16, int i) {
+    const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(4 * i),
+                                           _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+    return _mm512_permutexvar_ps(index, s16);
+}
+#endif
 
 /* Rows r0 .. r0 + nr - 1 of x against weight row n: y[r][n] for each. */
 static inline __attribute__((always_inline)) void dot_tile(
         const int16_t *xq, const float *xd, const float *xs, int64_t k, int64_t r0, const int nr,
         const uint8_t *qs, const uint16_t *scale, const uint16_t *minimum, int64_t n, int64_t out, float *y) {
-    const int64_t blocks = k / BLOCK, pairs = blocks / 2, groups = blocks / 8;
+    const int64_t blocks = k / BLOCK;
     const uint8_t *wq = qs + n * (k / 2);
     const uint16_t *ws = scale + n * blocks, *wm = minimum + n * blocks;
     const __m256i low = _mm256_set1_epi16(0x0F);
-    __m256 acc[TILE];  /* one per row; summed across lanes at the end, so any part may go in any lane */
+    sums_t acc[TILE];  /* one per row; summed across lanes at the end, so any part may go in any lane */
     float rest[TILE];
     for (int t = 0; t < nr; t++) {
-        acc[t] = _mm256_setzero_ps();
+        acc[t] = (sums_t){0};
         rest[t] = 0.0f;
     }
-    for (int64_t g = 0; g < groups; g++) {  /* 8 blocks: their scales and minimums in one load each */
-        const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + 8 * g)));
-        PAIR(4 * g, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
-        PAIR(4 * g + 1, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)));
-        PAIR(4 * g + 2, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5)));
-        PAIR(4 * g + 3, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)));
-        const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + 8 * g)));
+#ifdef __AVX512BW__
+    const __m512i low4 = _mm512_set1_epi16(0x0F);
+    const int64_t quads = blocks & ~(int64_t)3, minimums = blocks & ~(int64_t)15;
+    for (int64_t b = 0; b < minimums; b += 16) {  /* 16 blocks: their scales and minimums in one load each */
+        const __m512 s16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + b)));
+        QUAD(b, quad_scales(s16, 0));
+        QUAD(b + 4, quad_scales(s16, 1));
+        QUAD(b + 8, quad_scales(s16, 2));
+        QUAD(b + 12, quad_scales(s16, 3));
+        const __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + b)));
         for (int t = 0; t < nr; t++)
-            acc[t] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + (r0 + t) * blocks + 8 * g), acc[t]);
+            acc[t] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(xs + (r0 + t) * blocks + b), acc[t]);
     }
-    for (int64_t p = 4 * groups; p < pairs; p++)
-        PAIR(p, two_halves(ws + 2 * p));
-    for (int64_t b = 8 * groups; b < blocks; b++) {
+    for (int64_t b = minimums; b < quads; b += 4) {
+        int64_t bits;
+        memcpy(&bits, ws + b, sizeof bits);
+        QUAD(b, quad_scales(_mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi64_si128(bits))), 0));
+    }
+    if (blocks - quads >= 2) {  /* a last pair */
+        __m256 pair[TILE];
+        for (int t = 0; t < nr; t++)
+            pair[t] = _mm256_setzero_ps();
+        PAIR(quads / 2, two_halves(ws + quads), pair);
+        for (int t = 0; t < nr; t++)
+            acc[t] = _mm512_add_ps(acc[t], _mm512_zextps256_ps512(pair[t]));
+    }
+#else
+    const int64_t pairs = blocks / 2, minimums = blocks & ~(int64_t)7;
+    for (int64_t b = 0; b < minimums; b += 8) {  /* 8 blocks: their scales and minimums in one load each */
+        const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + b)));
+        PAIR(b / 2, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)), acc);
+        PAIR(b / 2 + 1, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)), acc);
+        PAIR(b / 2 + 2, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5)), acc);
+        PAIR(b / 2 + 3, _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)), acc);
+        const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + b)));
+        for (int t = 0; t < nr; t++)
+            acc[t] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + (r0 + t) * blocks + b), acc[t]);
+    }
+    for (int64_t p = minimums / 2; p < pairs; p++)
+        PAIR(p, two_halves(ws + 2 * p), acc);
+#endif
+    for (int64_t b = minimums; b < blocks; b++) {  /* the minimums' part of the blocks left */
         const float mb = _cvtsh_ss(wm[b]);
         for (int t = 0; t < nr; t++)
             rest[t] += mb * xs[(r0 + t) * blocks + b];
@@ -156,7 +254,11 @@ static inline __attribute__((always_inline)) void dot_tile(
         }
     }
     for (int t = 0; t < nr; t++)
+#ifdef __AVX512BW__
+        y[(r0 + t) * out + n] = _mm512_reduce_add_ps(acc[t]) + rest[t];
+#else
         y[(r0 + t) * out + n] = hsum(acc[t]) + rest[t];
+#endif
 }
 
 /* x [m, k] float32 (k a multiple of 32) times the weight [out, k] given as qs [out, k / 2] codes,
@@ -176,6 +278,12 @@ void int4_linear(const float *x, int64_t m, int64_t k, const uint8_t *qs, const 
         for (; r + TILE <= m; r += TILE)
             dot_tile(xq, xd, xs, k, r, TILE, qs, scale, minimum, n, out, y);
         switch (m - r) {
+#if TILE == 8
+            case 7: dot_tile(xq, xd, xs, k, r, 7, qs, scale, minimum, n, out, y); break;
+            case 6: dot_tile(xq, xd, xs, k, r, 6, qs, scale, minimum, n, out, y); break;
+            case 5: dot_tile(xq, xd, xs, k, r, 5, qs, scale, minimum, n, out, y); break;
+            case 4: dot_tile(xq, xd, xs, k, r, 4, qs, scale, minimum, n, out, y); break;
+#endif
             case 3: dot_tile(xq, xd, xs, k, r, 3, qs, scale, minimum, n, out, y); break;
             case 2: dot_tile(xq, xd, xs, k, r, 2, qs, scale, minimum, n, out, y); break;
             case 1: dot_tile(xq, xd, xs, k, r, 1, qs, scale, minimum, n, out, y); break;

@@ -1,5 +1,5 @@
 """4-bit weights times int16-quantized activations on an x86 CPU (AVX2, FMA, F16C): int4_cpu.c, and
-int4_cpu_avx512.c where the CPU has AVX-512 (the same arithmetic, four blocks an instruction; with
+built again with AVX-512 where the CPU has it (the same arithmetic, four blocks an instruction; with
 AVX512-VNNI's fused products where it has them).
 
 torch's packed int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) turns every weight into a float
@@ -32,7 +32,6 @@ from kernels import c_library
 
 BLOCK = 32  # weights (and input values) sharing a scale
 SOURCE = pathlib.Path(__file__).with_suffix(".c")
-SOURCE_AVX512 = SOURCE.with_name("int4_cpu_avx512.c")
 AVX512_FLAGS = (*c_library.AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl")
 QMAX = 32767  # x's values in int16
 
@@ -105,7 +104,7 @@ def isa() -> str:
 @functools.cache
 def _library(kernel: str) -> ctypes.CDLL:
     if kernel == "avx512":  # VNNI's fused products where the CPU has them (the source asks __AVX512VNNI__)
-        lib = c_library.load(SOURCE_AVX512, (*AVX512_FLAGS, *(("-mavx512vnni",) if torch.cpu._is_vnni_supported() else ())))
+        lib = c_library.load(SOURCE, (*AVX512_FLAGS, *(("-mavx512vnni",) if torch.cpu._is_vnni_supported() else ())))
     else:
         lib = c_library.load(SOURCE)
     lib.int4_linear.restype = None

@@ -1,6 +1,7 @@
-"""The int4 CPU kernels (kernels/int4_cpu.c, and int4_cpu_avx512.c where the CPU has AVX-512) against
-their torch reference: the same quantization of x, the same integer products, sums equal to float32
-rounding; the AVX-512 one chosen where it runs; the layout and the operator in a compiled graph."""
+"""The int4 CPU kernel (kernels/int4_cpu.c: its AVX2 build, and its AVX-512 one where the CPU has
+it) against its torch reference: the same quantization of x, the same integer products, sums equal
+to float32 rounding; the AVX-512 build chosen where it runs; the layout and the operator in a
+compiled graph."""
 from __future__ import annotations
 
 import pytest
