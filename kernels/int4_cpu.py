@@ -101,10 +101,16 @@ def isa() -> str:
     return "avx2"
 
 
+def _vnni() -> bool:
+    """Whether the CPU has AVX512-VNNI (torch's own probe; False where this torch has none)."""
+    probe = getattr(torch.cpu, "_is_vnni_supported", None)
+    return bool(probe is not None and probe())
+
+
 @functools.cache
 def _library(kernel: str) -> ctypes.CDLL:
     if kernel == "avx512":  # VNNI's fused products where the CPU has them (the source asks __AVX512VNNI__)
-        lib = c_library.load(SOURCE, (*AVX512_FLAGS, *(("-mavx512vnni",) if torch.cpu._is_vnni_supported() else ())))
+        lib = c_library.load(SOURCE, (*AVX512_FLAGS, *(("-mavx512vnni",) if _vnni() else ())))
     else:
         lib = c_library.load(SOURCE)
     lib.int4_linear.restype = None
