@@ -71,16 +71,16 @@ async def one_stream(client, model: str, prompt: str, max_tokens: int, extra: di
 
 
 async def load(base_url: str, model: str, streams: int, requests_per_stream: int, max_tokens: int,
-               extra: dict) -> dict:
+               extra: dict, prompts: list[str] = PROMPTS) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
 
     async def user(i: int):
-        return [await one_stream(client, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens, extra)
+        return [await one_stream(client, model, prompts[(i + r) % len(prompts)], max_tokens, extra)
                 for r in range(requests_per_stream)]
 
-    await one_stream(client, model, PROMPTS[0], 8, extra)  # warm-up
+    await one_stream(client, model, prompts[0], 8, extra)  # warm-up
     start = time.perf_counter()
     results = [r for rs in await asyncio.gather(*(user(i) for i in range(streams))) for r in rs]
     wall = time.perf_counter() - start
@@ -94,7 +94,20 @@ def measure(args, port: int, model: str) -> dict[int, dict]:
     """Each stream count of --streams in turn against the OpenAI API on `port`."""
     wait_for(f"http://127.0.0.1:{port}/health", 120)
     return {n: asyncio.run(load(f"http://127.0.0.1:{port}/v1", model, n, args.requests_per_stream, args.max_tokens,
-                                {"ignore_eos": True})) for n in args.streams}
+                                {"ignore_eos": True}, args.prompts)) for n in args.streams}
+
+
+def templated(prompts: list[str]) -> list[str]:
+    """Each prompt as a user's message in the model's chat template, ready for the answer: both
+    servers read the same tokens (special ones included), and the answer's first token is text.
+    (On the bare prompts this engine's first token is <|im_end|>, which its `ignore_eos` lets pass
+    as vLLM's does, while llama-server's bans it: this engine's first text came a step later.)"""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_REPOSITORY / "llm_engine" / "1" / "target",
+                                              local_files_only=True)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts]
 
 
 def run_llama(args, gguf: Path) -> dict[int, dict]:
@@ -147,11 +160,14 @@ def main() -> None:
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--llama-log", help="a file for llama-server's own log")
+    p.add_argument("--chat-template", action="store_true",
+                   help="send each prompt in the model's chat template (see `templated`), not bare")
     p.add_argument("--variants", nargs="+", default=["int4:1", "int4:2", "int4:1:compiled", "int4:2:compiled"],
                    help="this engine's configurations, quantization:engine threads[:flag...] (the rest of the "
                         "machine's cores serve tritonserver, the OpenAI layer and the load); flags: compiled "
                         "(compile_decode), prefill (compile_prefill), plain (no speculation), packed (no dense copy)")
     args = p.parse_args()
+    args.prompts = templated(PROMPTS) if args.chat_template else PROMPTS
     gguf = find_gguf()
     results = {"llama-server (Q4_1)": run_llama(args, gguf)}
     print("llama-server: done", flush=True)
@@ -163,7 +179,8 @@ def main() -> None:
             results[f"specserve ({label})"] = run_specserve(args, quantization, threads, flags, Path(tmp))
             print(f"specserve {variant}: done", flush=True)
     print(f"\n{gguf.name}, {args.threads} threads each, streamed /v1/completions of {args.max_tokens} tokens "
-          f"(ignore_eos, greedy), {args.requests_per_stream} requests per stream\n")
+          f"(ignore_eos, greedy), {args.requests_per_stream} requests per stream"
+          f"{', prompts in the chat template' if args.chat_template else ''}\n")
     llama = results["llama-server (Q4_1)"]
     print("| server | streams | tok/s | vs llama-server | TTFT p50 | ITL p50 |")
     print("|---|---:|---:|---:|---:|---:|")
