@@ -1,7 +1,9 @@
 """C kernels for x86 CPUs, compiled on first use with the machine's C compiler (as torch.compile's
 inductor compiles its own) into a private cache directory, keyed by the source's and the flags'
-hash, and loaded with ctypes. They run on the OpenMP runtime torch loaded (the same libgomp: one
-pool of threads, not two). Used by kernels/int4_cpu.py and kernels/paged_attention_cpu.py.
+hash (and torch's version), and loaded with ctypes. They run on the OpenMP runtime torch loaded
+(the same libgomp: one pool of threads, not two). Used by kernels/int4_cpu.py and
+kernels/paged_attention_cpu.py; a C++ source (kernels/cpu_ops.py's) is compiled by the C++
+compiler.
 
     load(source, flags)         the shared library built from `source` (built now if not cached)
     runs(library, fallback)     whether a kernel's `library()` loads on this CPU (AVX2 or AVX-512)
@@ -48,15 +50,15 @@ def build(source: pathlib.Path, flags: tuple[str, ...]) -> pathlib.Path:
     """The shared library for this source and these flags, compiled into the cache directory if
     it is not there yet (atomically: another process building it at once does no harm)."""
     text = source.read_bytes()
-    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join((*flags, torch.__version__)).encode()).hexdigest()[:16]
     directory = cache_directory()
     target = directory / f"{source.stem}-{key}.so"
     if not target.exists():
-        compiler = os.environ.get("CC", "cc")
+        compiler = os.environ.get("CXX", "c++") if source.suffix == ".cpp" else os.environ.get("CC", "cc")
         fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
         try:
-            subprocess.run([compiler, *flags, str(source), "-o", partial], check=True, capture_output=True,
+            subprocess.run([compiler, str(source), *flags, "-o", partial], check=True, capture_output=True,
                            timeout=120)
             os.replace(partial, target)
         finally:

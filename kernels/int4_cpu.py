@@ -18,7 +18,8 @@ greedy agreement with float32 0.994 -> 0.944, and 16 bits cost the kernel little
 The kernel is compiled on first use (kernels/c_library.py); `available()` is False where it
 cannot be (not x86 with AVX2, no compiler), and callers keep torch's kernel. Where the AVX-512 one
 cannot be built, the AVX2 one runs.
-`torch.ops.specserve.int4_linear` is the same product as a torch operator, for compiled graphs.
+`torch.ops.specserve.int4_linear` is the same product as a torch operator, for compiled graphs
+(implemented in C++ where kernels/cpu_ops.py builds).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import pathlib
 
 import torch
 
-from kernels import c_library
+from kernels import c_library, cpu_ops
 
 BLOCK = 32  # weights (and input values) sharing a scale
 SOURCE = pathlib.Path(__file__).with_suffix(".c")
@@ -101,6 +102,11 @@ def isa() -> str:
     return "avx2"
 
 
+def kernel_function() -> ctypes._CFuncPtr | None:
+    """The C function `int4_linear` calls here by default (None where the kernel does not run)."""
+    return _library(isa()).int4_linear if available() else None
+
+
 def _vnni() -> bool:
     """Whether the CPU has AVX512-VNNI (torch's own probe; False where this torch has none)."""
     probe = getattr(torch.cpu, "_is_vnni_supported", None)
@@ -124,7 +130,7 @@ def _library(kernel: str) -> ctypes.CDLL:
 # 3 ms of a compiled decode step's 121 calls; the plain registration takes 4 us.
 _LIBRARY = torch.library.Library("specserve", "FRAGMENT")
 _LIBRARY.define("int4_linear(Tensor x, Tensor qs, Tensor scale, Tensor minimum) -> Tensor")
-_LIBRARY.impl("int4_linear", int4_linear, "CPU")
+IMPLEMENTATION = cpu_ops.implement(_LIBRARY, "int4_linear", int4_linear, kernel_function)  # "c++" or "python"
 
 
 @torch.library.register_fake("specserve::int4_linear", lib=_LIBRARY)

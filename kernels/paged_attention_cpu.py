@@ -12,7 +12,8 @@ on the host: a decode step, a prefill, a verification and a mix of them are one 
         a multiple of 16, an x86 CPU with AVX2 and a C compiler), else the reference itself
     kernel_attention(...)   the same arguments, the kernel without the check
 
-`torch.ops.specserve.paged_attention` is the same as a torch operator, for compiled graphs.
+`torch.ops.specserve.paged_attention` is the same as a torch operator, for compiled graphs
+(implemented in C++ where kernels/cpu_ops.py builds).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import pathlib
 
 import torch
 
-from kernels import c_library
+from kernels import c_library, cpu_ops
 from kernels.paged_attention import paged_attention_ref
 
 SOURCE = pathlib.Path(__file__).with_suffix(".c")
@@ -84,7 +85,8 @@ def _library() -> ctypes.CDLL:
 _LIBRARY = torch.library.Library("specserve", "FRAGMENT")
 _LIBRARY.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
                 "Tensor block_tables, float scale) -> Tensor")
-_LIBRARY.impl("paged_attention", paged_attention, "CPU")
+IMPLEMENTATION = cpu_ops.implement(_LIBRARY, "paged_attention", paged_attention,
+                                   lambda: _library().paged_attention if available() else None)
 
 
 @torch.library.register_fake("specserve::paged_attention", lib=_LIBRARY)

@@ -60,7 +60,7 @@ from backend.config import check_quantization
 from backend.errors import ValidationError
 from backend.model.model import Linear
 from backend.model.tensor_parallel import ParallelLMHead
-from kernels import int4_cpu
+from kernels import cpu_ops, int4_cpu
 from kernels.gemv import fp8_scales, gemv, to_fp8
 
 KERNEL_DTYPE = torch.bfloat16  # the packed CPU kernels' activations, scales and output
@@ -299,16 +299,24 @@ def int4_product(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum
     """x [rows, in] float32 times an int4 layer, float32: by its dense copy (`_DENSE_COPIES[dense]`)
     from dense_min_rows rows on, by the int4 kernel below that or without a copy (dense -1)."""
     if dense >= 0 and x.shape[0] >= dense_min_rows:
-        weight = _DENSE_COPIES[dense]
-        return dense_linear(x.to(weight.dtype), weight).float()
+        return dense_product(x, dense)
     return int4_cpu.int4_linear(x, qs, scale, minimum)
+
+
+def dense_product(x: torch.Tensor, dense: int) -> torch.Tensor:
+    """x [rows, in] float32 times dense copy number `dense`, float32: `int4_product`'s dense part,
+    an operator of its own for the C++ implementation of `int4_product` (kernels/cpu_ops.cpp)."""
+    weight = _DENSE_COPIES[dense]
+    return dense_linear(x.to(weight.dtype), weight).float()
 
 
 # (torch.library.Library rather than the custom_op decorator: see kernels/int4_cpu.py)
 _LIBRARY = torch.library.Library("specserve", "FRAGMENT")
+_LIBRARY.define("dense_product(Tensor x, int dense) -> Tensor")
+_LIBRARY.impl("dense_product", dense_product, "CPU")
 _LIBRARY.define("int4_product(Tensor x, Tensor qs, Tensor scale, Tensor minimum, int dense, "
                 "int dense_min_rows) -> Tensor")
-_LIBRARY.impl("int4_product", int4_product, "CPU")
+INT4_PRODUCT = cpu_ops.implement(_LIBRARY, "int4_product", int4_product, int4_cpu.kernel_function)  # "c++"/"python"
 
 
 @torch.library.register_fake("specserve::int4_product", lib=_LIBRARY)
