@@ -12,6 +12,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("none", "draft", "eagle", "ngram")
 QUANTIZATION_MODES = ("none", "int8", "int4", "fp8")  # backend/model/quantized_linear.py
 INT4_GROUP_SIZES = (32, 64, 128)
+MAX_BATCH_WAIT_MS = 100.0
 
 
 def check_quantization(mode: str, group_size: int) -> None:
@@ -38,6 +39,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the memory budget when set (tests)
     max_num_seqs: int = 64  # running requests at most
     max_num_batched_tokens: int = 1024  # token budget per iteration
+    # an idle engine that receives a request waits while more arrive, each within this long of the last
+    # (at most BATCH_WAITS times it in all, or until a step's budget waits): one step prefills a burst
+    batch_wait_ms: float = 0.0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto", "torch", "cpu", "triton"
@@ -83,6 +87,8 @@ class EngineConfig:
             raise ValidationError(
                 "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if not 0.0 <= self.batch_wait_ms <= MAX_BATCH_WAIT_MS:
+            raise ValidationError("batch_wait_ms", f"must be in [0, {MAX_BATCH_WAIT_MS:g}], got {self.batch_wait_ms}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValidationError(
                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -135,7 +135,10 @@ VARIANT_FLAGS = {  # a variant's flags after quantization:threads, and the llm_e
 def run_specserve(args, quantization: str, threads: int, flags: list[str], workdir: Path) -> dict[int, dict]:
     overrides = {"llm_engine": {"quantization": quantization, "num_threads": str(threads)}}
     for flag in flags:
-        overrides["llm_engine"].update(VARIANT_FLAGS[flag])
+        if flag.startswith("wait"):  # waitN: batch_wait_ms N
+            overrides["llm_engine"]["batch_wait_ms"] = flag.removeprefix("wait")
+        else:
+            overrides["llm_engine"].update(VARIANT_FLAGS[flag])
     name = "_".join([quantization, str(threads), *flags])
     repository = make_repository(DEFAULT_MODEL_REPOSITORY, workdir / name, overrides)
     handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
@@ -165,7 +168,8 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["int4:1", "int4:2", "int4:1:compiled", "int4:2:compiled"],
                    help="this engine's configurations, quantization:engine threads[:flag...] (the rest of the "
                         "machine's cores serve tritonserver, the OpenAI layer and the load); flags: compiled "
-                        "(compile_decode), prefill (compile_prefill), plain (no speculation), packed (no dense copy)")
+                        "(compile_decode), prefill (compile_prefill), plain (no speculation), packed (no dense copy), "
+                        "waitN (batch_wait_ms N)")
     args = p.parse_args()
     args.prompts = templated(PROMPTS) if args.chat_template else PROMPTS
     gguf = find_gguf()

@@ -1,8 +1,10 @@
 """EngineLoop.build: the engine is built on the thread that steps it (the CPU's OpenMP runtime
 stops letting idle workers spin once two threads have worker pools, and every parallel operation
 of a step then waits for a sleeping worker), serves as an engine stepped in this thread does, and
-a build that fails raises its error to the caller."""
+a build that fails raises its error to the caller. batch_wait_ms: an idle engine gathers a burst
+into its first step, within its limits."""
 import threading
+import time
 
 import pytest
 
@@ -70,3 +72,56 @@ def test_a_build_that_fails_raises_its_error(tiny_llama):
 
     with pytest.raises(ValidationError, match="max_num_seqs"):
         EngineLoop.build(make_engine)
+
+
+def first_step_requests(tiny_llama, batch_wait_ms: float, gaps: list[float], **config) -> tuple[int, float]:
+    """Requests submitted with `gaps` seconds between them to an idle loop: how many the engine
+    held when its first step began, and the seconds from the first submit to that step."""
+    seen: list[tuple[int, float]] = []
+
+    def make_engine() -> LLMEngine:
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, batch_wait_ms=batch_wait_ms, **config))
+        step = engine.step
+
+        def recorded_step():
+            seen.append((len(engine.requests), time.monotonic()))
+            return step()
+
+        engine.step = recorded_step
+        return engine
+
+    loop = EngineLoop.build(make_engine)
+    finished = threading.Semaphore(0)
+    try:
+        start = time.monotonic()
+        for i, gap in enumerate([0.0, *gaps]):
+            time.sleep(gap)
+            loop.submit(PROMPTS[i % len(PROMPTS)], greedy(2), lambda out: out.finished and finished.release())
+        for _ in range(len(gaps) + 1):
+            assert finished.acquire(timeout=60)
+    finally:
+        loop.shutdown()
+    return seen[0][0], seen[0][1] - start
+
+
+def test_an_idle_engine_steps_at_once_without_batch_wait(tiny_llama):
+    assert first_step_requests(tiny_llama, 0, [0.15, 0.15])[0] == 1
+
+
+def test_batch_wait_gathers_a_burst_into_the_first_step(tiny_llama):
+    # each request arrives within the 100 ms gap of the last: one step takes all three
+    requests, waited = first_step_requests(tiny_llama, 100, [0.05, 0.05])
+    assert requests == 3 and waited >= 0.2  # the last arrived at 0.1 s, then a quiet 0.1 s
+
+
+def test_batch_wait_ends_when_a_step_is_full_or_at_its_limit(tiny_llama):
+    # max_num_seqs 2: the wait ends with the second request, before the third comes
+    assert first_step_requests(tiny_llama, 100, [0.0, 0.3], max_num_seqs=2)[0] == 2
+    # requests that never stop coming are cut off at BATCH_WAITS gaps (8 x 20 ms)
+    requests, waited = first_step_requests(tiny_llama, 20, [0.01] * 40)
+    assert requests < 35 and waited < 1.0
+
+
+def test_batch_wait_is_bounded():
+    with pytest.raises(ValidationError, match="batch_wait_ms"):
+        EngineConfig(model=".", batch_wait_ms=-1)
