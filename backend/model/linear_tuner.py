@@ -28,7 +28,12 @@ from kernels.gemv import MAX_ROWS, gemv
 ROW_COUNTS = (1, 2, 4, 8, MAX_ROWS)
 HEAD_ROW_COUNTS = (64, 16, 8, 4, 3, 2, 1)  # decode batches and verifications (k + 1 rows), most first
 HEAD_MARGIN = 1.05  # oneDNN's copy must be this much faster: at 1 row the two are often within noise
-DENSE_ROW_COUNTS = (256, 128, 64, 32, 16, 8, 4)  # packed against dense, from the most rows down
+# packed against dense, from the most rows down. Not below 16: a layer timed alone has its weights in
+# cache, and in a model's step they are not, where a dense copy reads 3.2x (bfloat16) the bytes of
+# int4 blocks: on the AVX-512 Xeon the timing chose copies from 4-8 rows, which in the default model
+# at 2 threads made decode steps of 4 and 8 requests 20.8 and 31.0 ms against 14.1 and 22.8 with
+# copies from 16 rows, and 42-token prefills slower too (the lm_head's copy is 56 MB).
+DENSE_ROW_COUNTS = (256, 128, 64, 32, 16)
 REPEATS = 10
 FLUSH_BYTES = 256 << 20  # more than any GPU's L2
 
