@@ -110,8 +110,8 @@ def test_an_idle_engine_steps_at_once_without_batch_wait(tiny_llama):
 
 def test_batch_wait_gathers_a_burst_into_the_first_step(tiny_llama):
     # each request arrives within the 100 ms gap of the last: one step takes all three
-    requests, waited = first_step_requests(tiny_llama, 100, [0.05, 0.05])
-    assert requests == 3 and waited >= 0.2  # the last arrived at 0.1 s, then a quiet 0.1 s
+    requests, waited = first_step_requests(tiny_llama, 100, [0.02, 0.02])
+    assert requests == 3 and waited >= 0.14  # the last arrived at 0.04 s, then a quiet 0.1 s
 
 
 def test_batch_wait_ends_when_a_step_is_full_or_at_its_limit(tiny_llama):
