@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import pathlib
-import subprocess
 from collections.abc import Callable
 
 import torch
@@ -25,7 +23,6 @@ import torch.utils.cpp_extension
 
 from kernels import c_library
 
-log = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).with_suffix(".cpp")
 
 
@@ -34,24 +31,22 @@ def implement(library: torch.library.Library, name: str, fallback: Callable,
     """Registers the CPU implementation of `library`'s operator `name` (its schema defined): the
     C++ one calling `kernel()` (a C function; None where the kernel does not run here) where
     cpu_ops.cpp loads, else `fallback`. Returns which: "c++" or "python"."""
-    ops = _library()
-    function = kernel() if ops is not None else None
-    if function is not None and ops.specserve_implement(name.encode(), ctypes.cast(function, ctypes.c_void_p)):
+    function = kernel() if _loads() else None
+    if function is not None and _library().specserve_implement(name.encode(), ctypes.cast(function, ctypes.c_void_p)):
         return "c++"
     library.impl(name, fallback, "CPU")
     return "python"
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None  # (the C kernels do not run here either)
-    try:
-        lib = c_library.load(SOURCE, _flags())
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("the kernels' C++ operators could not be built (%s); compiled graphs call them through "
-                    "Python", e)
-        return None
+def _loads() -> bool:
+    """Whether cpu_ops.cpp runs here (built now if not cached): where the C kernels do."""
+    return c_library.runs(_library, "compiled graphs call the kernels through Python")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    lib = c_library.load(SOURCE, _flags())
     lib.specserve_implement.restype = ctypes.c_int
     lib.specserve_implement.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
     return lib
