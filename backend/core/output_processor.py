@@ -42,18 +42,19 @@ class OutputProcessor:
     def advance(
         self, request: Request, tokens: list[int], logprobs: list[dict | None], error: Exception | None, trim: bool = False
     ) -> RequestOutput:
-        """Append a request's new tokens, then finish it or cache its full blocks; its output.
+        """Append a request's new tokens, cache its full blocks, finish it if it is done; its output.
         A fault of its own (`error`, from sampling, or raised here) fails it alone."""
         try:
             if error is not None:
                 raise error
             self._append_tokens(request, tokens, logprobs)
+            if trim and not request.is_finished:
+                self.block_manager.trim(request, request.num_tokens)
+            # before a finish frees them: a request done in the step that computed its prompt
+            # (max_tokens=1, a classifier's one token) leaves its prefix for the next
+            self.block_manager.cache_full_blocks(request)
             if request.is_finished:
                 self.scheduler.finish(request, request.status)
-            else:
-                if trim:
-                    self.block_manager.trim(request, request.num_tokens)
-                self.block_manager.cache_full_blocks(request)
             return self.output(request)
         except Exception as e:
             if is_fatal(e):

@@ -100,3 +100,16 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_llama):
     assert engine.block_manager.prefix_hit_tokens - hits_before == 32
     assert second == [hf_greedy(tiny_llama, prefix + [60, 61, 62], 8)]
     assert first == [hf_greedy(tiny_llama, prefix + [50, 51], 8)]
+
+
+def test_a_request_finished_in_its_prefill_step_leaves_its_blocks_cached(tiny_llama):
+    """max_tokens=1 finishes a request in the step that computed its prompt: its full blocks
+    must still reach the prefix cache, so the same prompt again is mostly a hit."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8))
+    prompt = list(range(10, 45))  # 35 tokens: 4 full blocks
+    first = run_engine(engine, [prompt], [1])
+    hits_before = engine.block_manager.prefix_hit_tokens
+    second = run_engine(engine, [prompt], [3])
+    assert engine.block_manager.prefix_hit_tokens - hits_before == 32
+    assert first == [hf_greedy(tiny_llama, prompt, 1)]
+    assert second == [hf_greedy(tiny_llama, prompt, 3)]
