@@ -71,14 +71,29 @@ async def one_stream(client, model: str, prompt: str, max_tokens: int, extra: di
 
 
 async def load(base_url: str, model: str, streams: int, requests_per_stream: int, max_tokens: int,
-               extra: dict, prompts: list[str] = PROMPTS) -> dict:
+               extra: dict, prompts: list[str] = PROMPTS, distinct: bool = False, chat: bool = False) -> dict:
     import openai
+    try:
+        import httpx2 as httpx  # openai's HTTP client from openai 3 on
+    except ImportError:
+        import httpx
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
+    # a new connection per request, for both servers: llama-server closes some of the connections
+    # a streamed response leaves open, and a client that reuses one of those gets no response
+    http_client = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_keepalive_connections=0))
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0,
+                                http_client=http_client)
+
+    chosen = [[prompts[(i + r) % len(prompts)] for r in range(requests_per_stream)] for i in range(streams)]
+    if distinct:  # a tag of its own ahead of each prompt: no two requests of the run share more than
+        # the chat template's head, so neither server reuses one request's cached prompt for another
+        chosen = [[f"({streams}.{i}.{r}) {PROMPTS[(i + r) % len(PROMPTS)]}" for r in range(requests_per_stream)]
+                  for i in range(streams)]
+        if chat:
+            chosen = [templated(texts) for texts in chosen]
 
     async def user(i: int):
-        return [await one_stream(client, model, prompts[(i + r) % len(prompts)], max_tokens, extra)
-                for r in range(requests_per_stream)]
+        return [await one_stream(client, model, chosen[i][r], max_tokens, extra) for r in range(requests_per_stream)]
 
     await one_stream(client, model, prompts[0], 8, extra)  # warm-up
     start = time.perf_counter()
@@ -94,7 +109,8 @@ def measure(args, port: int, model: str) -> dict[int, dict]:
     """Each stream count of --streams in turn against the OpenAI API on `port`."""
     wait_for(f"http://127.0.0.1:{port}/health", 120)
     return {n: asyncio.run(load(f"http://127.0.0.1:{port}/v1", model, n, args.requests_per_stream, args.max_tokens,
-                                {"ignore_eos": True}, args.prompts)) for n in args.streams}
+                                {"ignore_eos": True}, args.prompts, args.distinct_prompts, args.chat_template))
+            for n in args.streams}
 
 
 def templated(prompts: list[str]) -> list[str]:
@@ -165,6 +181,9 @@ def main() -> None:
     p.add_argument("--llama-log", help="a file for llama-server's own log")
     p.add_argument("--chat-template", action="store_true",
                    help="send each prompt in the model's chat template (see `templated`), not bare")
+    p.add_argument("--distinct-prompts", action="store_true",
+                   help="every request's prompt its own (a tag ahead of it): no server reuses another request's "
+                        "cached prompt; by default the same four prompts come round again")
     p.add_argument("--variants", nargs="+", default=["int4:1", "int4:2", "int4:1:compiled", "int4:2:compiled"],
                    help="this engine's configurations, quantization:engine threads[:flag...] (the rest of the "
                         "machine's cores serve tritonserver, the OpenAI layer and the load); flags: compiled "
@@ -184,7 +203,8 @@ def main() -> None:
             print(f"specserve {variant}: done", flush=True)
     print(f"\n{gguf.name}, {args.threads} threads each, streamed /v1/completions of {args.max_tokens} tokens "
           f"(ignore_eos, greedy), {args.requests_per_stream} requests per stream"
-          f"{', prompts in the chat template' if args.chat_template else ''}\n")
+          f"{', prompts in the chat template' if args.chat_template else ''}"
+          f"{', every prompt distinct' if args.distinct_prompts else ''}\n")
     llama = results["llama-server (Q4_1)"]
     print("| server | streams | tok/s | vs llama-server | TTFT p50 | ITL p50 |")
     print("|---|---:|---:|---:|---:|---:|")
