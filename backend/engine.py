@@ -337,7 +337,9 @@ class LLMEngine:
         draft_probs = self.speculator.propose(batch, idle, pending)
         lookahead = [r.spec.num_lookahead_tokens for r in batch.requests]  # _sample clears them
         forward_started = spec.timer.mark() if spec is not None else None
-        self.runner.launch(target_input(batch, pending))
+        target_step = target_input(batch, pending)
+        target_step.block_copies = self.block_manager.take_copies(batch.requests)
+        self.runner.launch(target_step)
         if spec is not None:  # adaptive k times the target's forwards
             self.speculator.observe_forward(spec, batch, lookahead, forward_started)
         step = InFlightStep(batch, draft_probs, lookahead, spec)

@@ -51,6 +51,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)  # logical block -> physical block id
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     cached_chain_hash: int | None = None  # chain hash of the last of those blocks
+    # a cached block holding the head of its next block's tokens, and how many: copied into its
+    # own next block before its first step reads them (BlockManager.take_copies)
+    block_copy: tuple[int, int] | None = None
     num_pending_tokens: int = 0  # sampled on the device, not read back yet (overlapped steps)
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     # timestamps (time.monotonic())

@@ -89,6 +89,9 @@ class StepInput:
     # overlapped speculation: per request, a correction to its positions known only on the device
     # (how many of last step's drafts were rejected, <= 0); start_positions assume all accepted
     position_offsets: torch.Tensor | None = None  # [num_requests] int64
+    # K/V rows to copy before the forward, as (source block, destination block, tokens): the
+    # shared head of a cached block going into a request's own block (BlockManager.take_copies)
+    block_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     def add(self, token_ids: list[int], start: int, block_table: list[int], num_logits: int) -> None:
         """One request's tokens at positions start.. (target and draft build their steps alike)."""
@@ -351,6 +354,14 @@ class ModelRunner:
         index = on_device([dst, src], self.device, torch.int64)
         input_ids.index_copy_(0, index[0], step.device_tokens.index_select(0, index[1]))
 
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Each (source, destination, n): the first n token rows of the source block's K and V
+        into the destination's, in every layer (queued ahead of the step's forward)."""
+        for source, destination, n in copies:
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[destination, :n] = k_cache[source, :n]
+                v_cache[destination, :n] = v_cache[source, :n]
+
     def launch(self, step: StepInput) -> None:
         """Start a step (its kernels queue on the device); `collect` returns its logits. The
         engine drives every runner so, one stage or a pipeline of them."""
@@ -365,6 +376,7 @@ class ModelRunner:
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [sum(num_logits), vocab] float32
         """The step's logits; on a pipeline stage before the last, its (x, residual) for the next
         stage, which passes them in as `intermediate`."""
+        self.copy_blocks(step.block_copies)
         if self.graphs:
             logits = self._replay(step)
             if logits is not None:

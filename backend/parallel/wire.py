@@ -36,6 +36,7 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     from_device: list[tuple[int, int]]
     num_device_tokens: int | None  # None: no device_tokens
     has_position_offsets: bool
+    block_copies: list[tuple[int, int, int]]  # (source block, destination block, tokens)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -43,6 +44,8 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
             raise ValueError("token_ids, start_positions, block_tables and num_logits differ in length")
         if self.num_device_tokens is not None and self.num_device_tokens < 0:
             raise ValueError(f"num_device_tokens must be >= 0, got {self.num_device_tokens}")
+        if any(source < 0 or destination < 0 or n < 1 for source, destination, n in self.block_copies):
+            raise ValueError("block_copies must hold block ids >= 0 and token counts >= 1")
 
     @classmethod
     def of(cls, step: StepInput, device: torch.device) -> tuple[StepHeader, tuple[torch.Tensor, ...]]:
@@ -51,7 +54,7 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
                         if t is not None)
         device_tokens = None if step.device_tokens is None else step.device_tokens.numel()
         return cls(step.token_ids, step.start_positions, step.block_tables, step.num_logits, step.from_device,
-                   device_tokens, step.position_offsets is not None), tensors
+                   device_tokens, step.position_offsets is not None, step.block_copies), tensors
 
     def buffers(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """Where to receive the tensors that follow this header, on `device` (the receiver's)."""
@@ -65,7 +68,7 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
         device_tokens = next(received) if self.num_device_tokens is not None else None
         position_offsets = next(received) if self.has_position_offsets else None
         return StepInput(self.token_ids, self.start_positions, self.block_tables, self.num_logits, device_tokens,
-                         self.from_device, position_offsets)
+                         self.from_device, position_offsets, [tuple(c) for c in self.block_copies])
 
 
 class Decoder(Generic[T]):

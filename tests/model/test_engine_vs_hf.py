@@ -113,3 +113,19 @@ def test_a_request_finished_in_its_prefill_step_leaves_its_blocks_cached(tiny_ll
     assert engine.block_manager.prefix_hit_tokens - hits_before == 32
     assert first == [hf_greedy(tiny_llama, prompt, 1)]
     assert second == [hf_greedy(tiny_llama, prompt, 3)]
+
+
+@pytest.mark.parametrize("second_tail", [[], [60, 61]])
+def test_a_prompt_sharing_the_head_of_a_cached_block_reuses_it_token_by_token(tiny_llama, second_tail):
+    """The first request's answer fills its prompt's last block; the same prompt again (or with
+    more after it) shares that block's head: those K/V rows are copied into its own block, and
+    the output is still HF's."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8))
+    prompt = list(range(10, 45))  # 35 tokens: 4 full blocks and 3 in the fifth
+    first = run_engine(engine, [prompt], [8])  # the fifth block fills with 5 answer tokens
+    hits_before = engine.block_manager.prefix_hit_tokens
+    second = run_engine(engine, [prompt + second_tail], [6])
+    shared = 3 if second_tail else 2  # the whole prompt again: its last token is computed
+    assert engine.block_manager.prefix_hit_tokens - hits_before == 32 + shared
+    assert first == [hf_greedy(tiny_llama, prompt, 8)]
+    assert second == [hf_greedy(tiny_llama, prompt + second_tail, 6)]

@@ -116,11 +116,31 @@ def test_engine_outputs_equal_one_rank(four_layers, expected, tensor_parallel_si
         assert full > 0
         assert _seeded(engine, prompts[:6]) == seeded
         assert run_engine(engine, [prompts[0]], [16]) == [hf_greedy(four_layers, prompts[0], 16)]
+        # the same prompt again shares its third block's head, which the answer filled: those K/V
+        # rows are copied on every stage (and rank) before the step reads them
+        again = list(range(10, 52))  # 42 tokens: two full blocks of 16, then 10
+        assert run_engine(engine, [again], [8]) == [hf_greedy(four_layers, again, 8)]
+        copies = _record_copies(engine)
+        assert run_engine(engine, [again], [4]) == [hf_greedy(four_layers, again, 4)]
+        assert copies == [9]
         _abort_in_flight(engine, prompts, max_tokens, greedy)
     finally:
         engine.close()
     assert all(w.poll() is not None for w in engine.workers.workers)
     assert len(engine.workers.stage_busy) == 2 * tensor_parallel_size - 1  # every worker's forwards
+
+
+def _record_copies(engine: LLMEngine) -> list[int]:
+    """From now on, the token count of every block copy the engine's steps ask for."""
+    made, take = [], engine.block_manager.take_copies
+
+    def recording(requests):
+        copies = take(requests)
+        made.extend(n for _, _, n in copies)
+        return copies
+
+    engine.block_manager.take_copies = recording
+    return made
 
 
 def _abort_in_flight(engine: LLMEngine, prompts, max_tokens, greedy) -> None:

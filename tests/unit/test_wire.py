@@ -108,6 +108,7 @@ def _step(with_tensors: bool) -> StepInput:
     if with_tensors:
         step.device_tokens = torch.tensor([11, 12, 13])
         step.position_offsets = torch.tensor([0, -2])
+        step.block_copies = [(7, 1, 3)]
     return step
 
 
@@ -123,6 +124,7 @@ def test_a_step_comes_back_as_it_went(with_tensors):
     got = received.step(buffers)
     assert (got.token_ids, got.start_positions, got.block_tables, got.num_logits, got.from_device) == (
         [[5, 0, 0], [9]], [4, 17], [[0, 1], [2, 3]], [2, 1], [(1, 1), (2, 0)] if with_tensors else [])
+    assert got.block_copies == ([(7, 1, 3)] if with_tensors else [])
     for name in ("device_tokens", "position_offsets"):
         sent, came = getattr(step, name), getattr(got, name)
         assert (came is None) if sent is None else torch.equal(came, sent)
@@ -131,9 +133,13 @@ def test_a_step_comes_back_as_it_went(with_tensors):
 def test_stop_is_none_and_an_inconsistent_step_is_refused():
     assert wire.STEPS.decode(wire.encode(None)) is None
     header, _ = StepHeader.of(_step(False), torch.device("cpu"))
-    bad = wire.encode(header)[:-1] + b"\x05"  # has_position_offsets: 5, not a bool
+    assert wire.encode(header)[-2:] == b"\xc2\x90"  # has_position_offsets false, no block copies
+    bad = wire.encode(header)[:-2] + b"\x05\x90"  # has_position_offsets: 5, not a bool
     with pytest.raises(WireError, match="not a step"):
         wire.STEPS.decode(bad)
-    lists = [[[1]], [0, 1], [[0]], [1], [], None, False]  # two start positions for one request
+    lists = [[[1]], [0, 1], [[0]], [1], [], None, False, []]  # two start positions for one request
     with pytest.raises(WireError, match="differ in length"):
+        wire.STEPS.decode(wire.encode(lists))
+    lists = [[[1]], [0], [[0]], [1], [], None, False, [[-1, 2, 3]]]  # a block id out of range
+    with pytest.raises(WireError, match="block_copies"):
         wire.STEPS.decode(wire.encode(lists))
