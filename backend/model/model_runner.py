@@ -356,11 +356,15 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         """Each (source, destination, n): the first n token rows of the source block's K and V
-        into the destination's, in every layer (queued ahead of the step's forward)."""
+        into the destination's, in every layer, and their features where an EAGLE head reads
+        them by KV slot (queued ahead of the step's forward)."""
+        features, bs = getattr(self.model, "feature_pool", None), self.block_size
         for source, destination, n in copies:
             for k_cache, v_cache in self.kv_caches:
                 k_cache[destination, :n] = k_cache[source, :n]
                 v_cache[destination, :n] = v_cache[source, :n]
+            if features is not None:
+                features[destination * bs : destination * bs + n] = features[source * bs : source * bs + n]
 
     def launch(self, step: StepInput) -> None:
         """Start a step (its kernels queue on the device); `collect` returns its logits. The

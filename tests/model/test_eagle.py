@@ -228,3 +228,29 @@ def test_a_head_of_another_width_is_refused(tiny_llama, bad_draft, tmp_path):
 def test_configs_an_eagle_head_cannot_run_are_refused(tiny_llama, head, knobs, field):
     with pytest.raises(ValidationError, match=f"^{field}: "):
         EngineConfig(**{"model": str(tiny_llama), "speculative_method": "eagle", "draft_model": str(head)} | knobs)
+
+
+def test_a_shared_block_head_brings_its_features_along(tiny_llama, head):
+    """The head reads the target's features by KV slot: a prompt that shares the head of a cached
+    block gets those positions' features copied with their K/V, so the head's catch-up reads what
+    the target computed there, and the output stays plain decoding's."""
+    from backend.sampling_params import SamplingParams
+
+    engine = eagle_engine(tiny_llama, head, block_size=8, adaptive_speculation=False)
+    try:
+        prompt = list(range(10, 45))  # 4 full blocks, then 3 tokens that the answer's 5 join
+        first = run_engine(engine, [prompt], [8])
+        made, take = [], engine.block_manager.take_copies
+        engine.block_manager.take_copies = lambda requests: made.extend(take(requests)) or made[-1:]
+        engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        second = [t for out in engine.step() for t in out.token_ids]
+        [(source, destination, n)] = made
+        pool = engine.runner.model.feature_pool
+        assert n == 2 and pool[source * 8 : source * 8 + n].abs().sum() > 0
+        assert torch.equal(pool[destination * 8 : destination * 8 + n], pool[source * 8 : source * 8 + n])
+        while engine.has_unfinished_requests():
+            second += [t for out in engine.step() for t in out.token_ids]
+    finally:
+        engine.close()
+    assert first == [run_engine(LLMEngine(EngineConfig(model=str(tiny_llama))), [prompt], [8])[0]]
+    assert second == first[0]
