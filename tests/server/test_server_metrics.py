@@ -66,3 +66,23 @@ def test_counts_match_the_requests_sent(server, tokenizer):
     assert delta("specserve_inter_token_latency_seconds_count") == sum(max_tokens) - len(prompts)
     assert delta("specserve_e2e_request_latency_seconds_count") == len(prompts)
     assert after["specserve_time_to_first_token_seconds_sum"] > before["specserve_time_to_first_token_seconds_sum"]
+
+
+def test_a_prompt_sent_again_reuses_all_but_its_last_token(server, tokenizer):
+    """Served, the same prompt again reuses its cache token by token: every prompt token but the
+    last (which gives the logits) is a hit, whole blocks and then the head of the block the first
+    answer filled (copied), and the greedy answer is the same."""
+    prompt = "Once upon a time, in a village between two rivers, a small robot learned to paint"
+    num_prompt_tokens = len(tokenizer(prompt)["input_ids"])
+    assert num_prompt_tokens % 16 > 1  # its tail is a shared head: whole blocks alone would reuse fewer
+    first = complete(server.grpc_url, prompt, max_tokens=16, temperature=0.0, ignore_eos=True)
+    before = _settled(server)
+    second = complete(server.grpc_url, prompt, max_tokens=16, temperature=0.0, ignore_eos=True)
+    after = server.wait_for_metrics(
+        lambda s: s["specserve_e2e_request_latency_seconds_count"]
+        >= before["specserve_e2e_request_latency_seconds_count"] + 1
+    )
+    hits = after["specserve_prefix_cache_hit_tokens_total"] - before["specserve_prefix_cache_hit_tokens_total"]
+    queried = after["specserve_prefix_cache_query_tokens_total"] - before["specserve_prefix_cache_query_tokens_total"]
+    assert (queried, hits) == (num_prompt_tokens, num_prompt_tokens - 1)
+    assert second.text == first.text and len(first.chunks) > 0
