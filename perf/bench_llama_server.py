@@ -87,10 +87,10 @@ async def load(base_url: str, model: str, streams: int, requests_per_stream: int
     chosen = [[prompts[(i + r) % len(prompts)] for r in range(requests_per_stream)] for i in range(streams)]
     if distinct:  # a tag of its own ahead of each prompt: no two requests of the run share more than
         # the chat template's head, so neither server reuses one request's cached prompt for another
-        chosen = [[f"({streams}.{i}.{r}) {PROMPTS[(i + r) % len(PROMPTS)]}" for r in range(requests_per_stream)]
-                  for i in range(streams)]
-        if chat:
-            chosen = [templated(texts) for texts in chosen]
+        texts = [f"({streams}.{i}.{r}) {PROMPTS[(i + r) % len(PROMPTS)]}"
+                 for i in range(streams) for r in range(requests_per_stream)]
+        texts = templated(texts) if chat else texts  # one tokenizer load for the whole run
+        chosen = [texts[i * requests_per_stream : (i + 1) * requests_per_stream] for i in range(streams)]
 
     async def user(i: int):
         return [await one_stream(client, model, chosen[i][r], max_tokens, extra) for r in range(requests_per_stream)]

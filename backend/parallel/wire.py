@@ -68,7 +68,7 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
         device_tokens = next(received) if self.num_device_tokens is not None else None
         position_offsets = next(received) if self.has_position_offsets else None
         return StepInput(self.token_ids, self.start_positions, self.block_tables, self.num_logits, device_tokens,
-                         self.from_device, position_offsets, [tuple(c) for c in self.block_copies])
+                         self.from_device, position_offsets, self.block_copies)
 
 
 class Decoder(Generic[T]):
