@@ -48,6 +48,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     compile_decode: bool = False  # CPU: decode steps run compiled (torch.compile), compiled at start-up
     compile_prefill: bool = False  # CPU: every other step (prefill, verification, mixed) runs compiled too
+    # CPU, float32 layers: multiply by copies of the weights in oneDNN's layout at the row counts
+    # where that measured faster at load (as many bytes again); False: torch's matmul only
+    cpu_weight_copies: bool = True
     speculative_method: str = "none"  # "none", "draft", "eagle" (a head on the target's hidden states), "ngram"
     draft_model: str | None = None  # directory of the draft model (method "draft") or EAGLE head ("eagle")
     draft_dtype: str | None = None  # defaults to `dtype`; on a CPU a tiny draft runs faster in float32

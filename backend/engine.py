@@ -46,7 +46,7 @@ from backend.host_copy import HostCopy
 from backend.host_memory import retain_freed_memory
 from backend.host_waits import HostWaits
 from backend.model.attention import make_attention_backend
-from backend.model.linear_tuner import tune_cpu_head, tune_quantized_linears, tune_small_batch_linears
+from backend.model.linear_tuner import tune_cpu_linears, tune_quantized_linears, tune_small_batch_linears
 from backend.model.model_loader import (
     TORCH_DTYPES,
     load_draft_model,
@@ -158,8 +158,11 @@ class LLMEngine:
                 self.linear_choices[name] = tune_small_batch_linears(m)
         if config.quantization in ("int8", "int4") and self.device.type == "cpu":  # (the target's layers only)
             self.linear_choices["target"] = tune_quantized_linears(model, config.quantization_dense_rows)
-        elif self.device.type == "cpu" and config.tensor_parallel_size == 1:  # (a float32 target's lm_head)
-            self.linear_choices["target"] = tune_cpu_head(model)
+        copies = self.device.type == "cpu" and config.tensor_parallel_size == 1 and config.cpu_weight_copies
+        if copies and config.quantization not in ("int8", "int4"):  # (float32 layers only)
+            self.linear_choices["target"] = tune_cpu_linears(model)
+        if copies and self.draft_model is not None:
+            self.linear_choices["draft"] = tune_cpu_linears(self.draft_model)
         bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
         if self.draft_model is not None:
             bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.draft_dtype)

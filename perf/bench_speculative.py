@@ -15,6 +15,9 @@ predicts from the measured a and c.
     python perf/spec_pair.py /tmp/pair --shape 1b --acceptance 0.7 && python perf/bench_speculative.py \
         --target /tmp/pair/target --draft /tmp/pair/draft --draft-dtype bfloat16 --temperatures 0 \
         --batch-sizes 1 8 64 256 --async-scheduling on --num-kv-blocks 4000 --repeats 1   # on a GPU
+    python perf/bench_speculative.py --target model_repository/llm_engine/1/target \
+        --eagle model_repository/llm_engine/1/eagle --dtype float32 --prompts chat --batch-sizes 1 \
+        --methods none "eagle k=2" "eagle adaptive" --torch-matmul-too   # with and without oneDNN's copies
 """
 from __future__ import annotations
 
@@ -123,6 +126,9 @@ def main() -> None:
                     help="overlapped steps: auto is the engine's default (on CUDA without speculation only)")
     ap.add_argument("--prompts", choices=("code", "chat"), default="code",
                     help="held-out code continuations (64-192 tokens), or the held-out chat requests in the chat template")
+    ap.add_argument("--torch-matmul-too", action="store_true",
+                    help="on a CPU in float32, each method also runs on an engine whose linear layers keep torch's "
+                    "matmul at every row count (cpu_weight_copies false, see perf/bench_cpu_linears.py), labelled so")
     ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ("none, 2nd engine", "eagle k=2",
                                                                                       "eagle adaptive")],
                     choices=list(METHODS),
@@ -137,6 +143,8 @@ def main() -> None:
             runs[name] = (name, args.draft)
         for head in args.eagle if METHODS[name]["speculative_method"] == "eagle" else ():
             runs[name if len(args.eagle) == 1 else f"{name} ({head.name})"] = (name, head)
+    if args.torch_matmul_too:
+        runs |= {f"{label}, torch matmul": method_and_draft for label, method_and_draft in runs.items()}
     labels = list(runs)
     engines = {}
     for label, (name, draft) in runs.items():
@@ -144,7 +152,8 @@ def main() -> None:
             model=str(args.target), draft_model=str(draft), num_threads=args.threads,
             max_num_seqs=max(args.batch_sizes), dtype=args.dtype, draft_dtype=args.draft_dtype,
             kv_cache_memory_bytes=args.kv_cache_mib * 2**20, num_kv_blocks=args.num_kv_blocks,
-            async_scheduling=None if args.async_scheduling == "auto" else args.async_scheduling == "on", **METHODS[name]))
+            async_scheduling=None if args.async_scheduling == "auto" else args.async_scheduling == "on",
+            cpu_weight_copies=not label.endswith(", torch matmul"), **METHODS[name]))
     rows = []
     cases = [(b, t) for b in args.batch_sizes for t in args.temperatures]
     bar = tqdm(total=len(cases) * len(labels) * args.repeats, desc="runs")

@@ -1,8 +1,8 @@
 """Per weight shape, which kernel multiplies, timed at startup: on CUDA torch's matmul or the Triton
 small-batch kernel (with FP8 weights: torch's `_scaled_mm` or the kernel's FP8 form); on a CPU
 with weight-only quantization, the packed kernel or a dense copy of the weight
-(`tune_quantized_linears`); on a CPU in float32, torch's matmul or oneDNN's on a copy of the
-lm_head's weight in its layout (`tune_cpu_head`).
+(`tune_quantized_linears`); on a CPU in float32, per weight shape and row count, torch's matmul
+or oneDNN's on a copy of the weight in its layout (`tune_cpu_linears`).
 
 At batch 1-16 a linear layer reads its whole weight for a few rows of output; which kernel reads
 it faster depends on the shape and the GPU. For each distinct weight shape of a model the tuner
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import sys
 import time
 
 import torch
@@ -26,8 +27,9 @@ from backend.model.quantized_linear import KERNEL_DTYPE, Fp8Linear, RescoredHead
 from kernels.gemv import MAX_ROWS, gemv
 
 ROW_COUNTS = (1, 2, 4, 8, MAX_ROWS)
-HEAD_ROW_COUNTS = (64, 16, 8, 4, 3, 2, 1)  # decode batches and verifications (k + 1 rows), most first
-HEAD_MARGIN = 1.05  # oneDNN's copy must be this much faster: at 1 row the two are often within noise
+# decode batches and verifications (k + 1 rows); a prefill chunk is past the last
+CPU_ROW_COUNTS = (1, 2, 3, 4, 8, 16, 32, 64)
+ONEDNN_MARGIN = 1.05  # oneDNN's copy must be this much faster: at 1 row the two are often within noise
 # packed against dense, from the most rows down. Not below 16: a layer timed alone has its weights in
 # cache, and in a model's step they are not, where a dense copy reads 3.2x (bfloat16) the bytes of
 # int4 blocks: on the AVX-512 Xeon the timing chose copies from 4-8 rows, which in the default model
@@ -171,11 +173,11 @@ def _time_packed_and_dense(layer: WeightOnlyLinear) -> dict[int, tuple[float, fl
 
 
 def _time_without_and_with_copy(layer: nn.Module, min_rows: str, row_counts: tuple[int, ...], in_features: int,
-                                dtype: torch.dtype, repeats: int, margin: float = 1.0) -> dict[int, tuple[float, float]]:
+                                dtype: torch.dtype, repeats: int) -> dict[int, tuple[float, float]]:
     """rows -> (seconds of layer(x) without its copy, with it), at each of `row_counts` (most rows
     first) by setting the layer's `min_rows` attribute (the rows from which the copy multiplies)
-    just above the count, then at it; stops at the first count where the copy was not faster by
-    `margin` (fewer rows only favour it less)."""
+    just above the count, then at it; stops at the first count where the copy was not faster
+    (fewer rows only favour it less)."""
     times = {}
     for rows in row_counts:
         x = torch.randn(rows, in_features, dtype=dtype)
@@ -183,31 +185,74 @@ def _time_without_and_with_copy(layer: nn.Module, min_rows: str, row_counts: tup
         without = time_call(lambda: layer(x), None, repeats)
         setattr(layer, min_rows, rows)
         times[rows] = (without, time_call(lambda: layer(x), None, repeats))
-        if times[rows][1] * margin >= without:
+        if times[rows][1] >= without:
             break
     return times
 
 
+def rows_for_copy(times: dict[int, tuple[float, float]]) -> range:
+    """The row counts that multiply by a copy: from the fewest measured rows at which it was faster
+    up to the last count of the unbroken run of wins that follows (row counts between two winning
+    counts win too), and with no upper limit where that run reaches the most rows measured, since a
+    product of more rows is a GEMM either way. times: rows -> (plain seconds, copy seconds)."""
+    wins = [rows for rows, (plain, copy) in sorted(times.items()) if copy < plain]
+    if not wins:
+        return range(0)
+    counts = sorted(times)
+    first = counts.index(wins[0])
+    last = first
+    while last + 1 < len(counts) and counts[last + 1] in wins:
+        last += 1
+    return range(counts[first], sys.maxsize if last == len(counts) - 1 else counts[last] + 1)
+
+
 @torch.inference_mode()
-def tune_cpu_head(model: nn.Module) -> dict[tuple[int, int], dict]:
-    """A float32 model's lm_head on a CPU with oneDNN: keeps a copy of its weight in oneDNN's
-    layout and uses it from the fewest rows from which it measured faster (by HEAD_MARGIN) at every
-    count of HEAD_ROW_COUNTS (the copy is dropped where torch's matmul always won). Returns the choice and
-    the times; {} where it does not apply or timing failed."""
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, Linear) or head.quantized is not None or head.weight.dtype != torch.float32 \
-            or head.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], dict]:
+    """A float32 model's Linear layers on a CPU with oneDNN: per weight shape, times torch's matmul
+    against oneDNN's on a copy of the weight in its layout at each count of CPU_ROW_COUNTS, and
+    gives every layer of that shape a copy used at the row counts where it was faster by
+    ONEDNN_MARGIN (`rows_for_copy`; no copy where it never was). A copy holds as many bytes as its
+    weight. Returns, per shape, the rows chosen and the times; {} where it does not apply. If timing
+    fails, torch's matmul is kept: a start-up optimisation must not stop the engine."""
+    if not torch.backends.mkldnn.is_available():
         return {}
-    try:
-        head.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(head.weight, None)
-        times = _time_without_and_with_copy(head, "onednn_min_rows", HEAD_ROW_COUNTS, head.in_features, torch.float32,
-                                            REPEATS, HEAD_MARGIN)
-        chosen = rows_for_dense({rows: (plain, onednn * HEAD_MARGIN) for rows, (plain, onednn) in times.items()})
-    except Exception as e:  # a start-up optimisation must not stop the engine
-        log.warning("lm_head tuning failed (%r); using torch's matmul", e)
-        chosen, times = None, {}
-    if chosen is None:
-        head.onednn_weight = None
-    else:
-        head.onednn_min_rows = chosen
-    return {tuple(head.weight.shape): {"onednn_min_rows": chosen, "seconds (torch, onednn) by rows": times}}
+    by_shape: dict[tuple[int, int], list[Linear]] = {}
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized is None and module.weight.dtype == torch.float32 \
+                and module.weight.device.type == "cpu":
+            by_shape.setdefault(tuple(module.weight.shape), []).append(module)
+    report = {}
+    for shape, layers in by_shape.items():
+        try:
+            times = _time_plain_and_onednn(layers[0])
+            chosen = rows_for_copy({rows: (plain, onednn * ONEDNN_MARGIN) for rows, (plain, onednn) in times.items()})
+        except Exception as e:
+            log.warning("timing oneDNN's product for %s failed (%r); using torch's matmul", shape, e)
+            chosen, times = range(0), {}
+        for layer in layers:
+            layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight, None) if chosen else None
+            layer.onednn_rows = chosen
+        # (first, last) rows that multiply by the copy, last None: no limit
+        report[shape] = {"onednn_rows": (chosen.start, None if chosen.stop == sys.maxsize else chosen.stop - 1)
+                         if chosen else None,
+                         "seconds (torch, onednn) by rows": times}
+    return report
+
+
+def _time_plain_and_onednn(layer: Linear) -> dict[int, tuple[float, float]]:
+    """rows -> (seconds of torch's product, of oneDNN's on a copy), from 1 row up, stopping at the
+    first count past a win where the copy was not faster (more rows then favour it no further)."""
+    weight, bias = layer.weight, layer.bias
+    copy = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    times: dict[int, tuple[float, float]] = {}
+    won = False
+    for rows in CPU_ROW_COUNTS:
+        x = torch.randn(rows, weight.shape[1])
+        plain = time_call(lambda: F.linear(x, weight, bias), None)
+        onednn = time_call(lambda: torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], ""), None)
+        times[rows] = (plain, onednn)
+        if onednn * ONEDNN_MARGIN < plain:
+            won = True
+        elif won:
+            break
+    return times

@@ -56,18 +56,19 @@ PACKED_PROJECTIONS = {
 class Linear(nn.Linear):
     """nn.Linear that runs the Triton small-batch kernel (kernels/gemv.py) for up to
     `gemv_max_rows` rows of input, where the engine measured it faster than torch's matmul for
-    this weight's shape (backend/model/linear_tuner.py; 0: never). On a CPU it can keep a copy of
-    its weight in oneDNN's layout (`onednn_weight`) and multiply by it from `onednn_min_rows` rows
-    on, where the engine measured that faster (the lm_head: torch's float32 matmul re-packs a
-    49k-row weight on every call and doubles its time from 4 rows on). With weight-only
-    quantization its `quantized` layer holds the weight and bias instead
+    this weight's shape (backend/model/linear_tuner.py; 0: never). On a CPU in float32 it can keep
+    a copy of its weight in oneDNN's layout (`onednn_weight`) and multiply by it at the row counts
+    in `onednn_rows`, where the engine measured that faster: torch's float32 matmul (MKL) leaves
+    its matrix-vector path at 2 rows and re-packs the weight on every call, so a product of 2-64
+    rows (decode batches, a speculative verification's k + 1) can cost 2-6x one of a row. With
+    weight-only quantization its `quantized` layer holds the weight and bias instead
     (backend/model/quantized_linear.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.gemv_max_rows = 0
         self.onednn_weight: torch.Tensor | None = None
-        self.onednn_min_rows = 1
+        self.onednn_rows = range(0)  # row counts that multiply by onednn_weight
         self.quantized: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +79,7 @@ class Linear(nn.Linear):
         # (a compiled graph keeps torch's matmul; asked first, since a comparison of the traced row
         # count would become a condition on the graph)
         if (not torch.compiler.is_compiling() and self.onednn_weight is not None and x.dim() == 2
-                and x.shape[0] >= self.onednn_min_rows):
+                and x.shape[0] in self.onednn_rows):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn_weight, self.bias, "none", [], "")
         return super().forward(x)
 

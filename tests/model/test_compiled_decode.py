@@ -166,15 +166,18 @@ def test_a_machine_that_cannot_compile_fails_the_load_naming_the_parameter(tmp_p
         LLMEngine(EngineConfig(model=str(model_dir), compile_decode=True, num_threads=1))
 
 
-@pytest.mark.parametrize("head_rows", [2, 3, 4])
-def test_the_lm_heads_row_threshold_does_not_constrain_the_graphs(tiny_llama, monkeypatch, head_rows):
-    """The lm_head multiplies by its oneDNN copy from a row count measured at load; inside a
-    compiled graph it keeps torch's matmul, and that count must not become a condition on the
+@pytest.mark.parametrize("copy_rows", [2, 3, 4])
+def test_the_linear_copies_row_threshold_does_not_constrain_the_graphs(tiny_llama, monkeypatch, copy_rows):
+    """Linear layers multiply by their oneDNN copies from a row count measured at load; inside a
+    compiled graph they keep torch's matmul, and that count must not become a condition on the
     traced requests (3 made "several requests" the constant 2 and the load failed)."""
+    import sys
+
     from backend.model import linear_tuner
-    monkeypatch.setattr(linear_tuner, "rows_for_dense", lambda times: head_rows)
+    monkeypatch.setattr(linear_tuner, "rows_for_copy", lambda times: range(copy_rows, sys.maxsize))
     engine = compiled_engine(tiny_llama)
-    assert engine.runner.model.lm_head.onednn_min_rows == head_rows
+    assert engine.runner.model.lm_head.onednn_rows.start == copy_rows
+    assert engine.runner.model.model.layers[0].mlp.down_proj.onednn_rows.start == copy_rows
     prompts, max_tokens = mixed_prompts(6, seed=11)
     assert run_engine(engine, prompts, max_tokens) == [hf_greedy(tiny_llama, p, m) for p, m in zip(prompts, max_tokens)]
     assert engine.runner.compiled_decode.steps > 0 and engine.runner.compiled_decode.eager_steps == 0
