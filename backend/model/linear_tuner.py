@@ -195,13 +195,12 @@ def rows_for_copy(times: dict[int, tuple[float, float]]) -> range:
     up to the last count of the unbroken run of wins that follows (row counts between two winning
     counts win too), and with no upper limit where that run reaches the most rows measured, since a
     product of more rows is a GEMM either way. times: rows -> (plain seconds, copy seconds)."""
-    wins = [rows for rows, (plain, copy) in sorted(times.items()) if copy < plain]
-    if not wins:
-        return range(0)
     counts = sorted(times)
-    first = counts.index(wins[0])
-    last = first
-    while last + 1 < len(counts) and counts[last + 1] in wins:
+    won = [times[rows][1] < times[rows][0] for rows in counts]
+    if not any(won):
+        return range(0)
+    first = last = won.index(True)
+    while last + 1 < len(counts) and won[last + 1]:
         last += 1
     return range(counts[first], sys.maxsize if last == len(counts) - 1 else counts[last] + 1)
 
@@ -224,13 +223,17 @@ def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], dict]:
     report = {}
     for shape, layers in by_shape.items():
         try:
+            layers[0].onednn_weight = torch.ops.mkldnn._reorder_linear_weight(layers[0].weight, None)
             times = _time_plain_and_onednn(layers[0])
             chosen = rows_for_copy({rows: (plain, onednn * ONEDNN_MARGIN) for rows, (plain, onednn) in times.items()})
         except Exception as e:
             log.warning("timing oneDNN's product for %s failed (%r); using torch's matmul", shape, e)
             chosen, times = range(0), {}
-        for layer in layers:
-            layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight, None) if chosen else None
+        for i, layer in enumerate(layers):  # (the first layer's copy is the one timed)
+            if not chosen:
+                layer.onednn_weight = None
+            elif i > 0:
+                layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight, None)
             layer.onednn_rows = chosen
         # (first, last) rows that multiply by the copy, last None: no limit
         report[shape] = {"onednn_rows": (chosen.start, None if chosen.stop == sys.maxsize else chosen.stop - 1)
@@ -240,10 +243,10 @@ def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], dict]:
 
 
 def _time_plain_and_onednn(layer: Linear) -> dict[int, tuple[float, float]]:
-    """rows -> (seconds of torch's product, of oneDNN's on a copy), from 1 row up, stopping at the
-    first count past a win where the copy was not faster (more rows then favour it no further)."""
-    weight, bias = layer.weight, layer.bias
-    copy = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    """rows -> (seconds of torch's product, of oneDNN's on the layer's copy), from 1 row up,
+    stopping at the first count past a win where the copy was not faster (more rows then favour it
+    no further)."""
+    weight, bias, copy = layer.weight, layer.bias, layer.onednn_weight
     times: dict[int, tuple[float, float]] = {}
     won = False
     for rows in CPU_ROW_COUNTS:
