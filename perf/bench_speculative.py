@@ -45,7 +45,9 @@ METHODS = {  # name -> engine knobs
     "draft adaptive": dict(speculative_method="draft", num_speculative_tokens=4, adaptive_speculation=True),
     "ngram adaptive": dict(speculative_method="ngram", num_speculative_tokens=4, adaptive_speculation=True),
     # an EAGLE head (--eagle) on the target's hidden states
+    "eagle k=1": dict(speculative_method="eagle", num_speculative_tokens=1, adaptive_speculation=False),
     "eagle k=2": dict(speculative_method="eagle", num_speculative_tokens=2, adaptive_speculation=False),
+    "eagle k=3": dict(speculative_method="eagle", num_speculative_tokens=3, adaptive_speculation=False),
     "eagle adaptive": dict(speculative_method="eagle", num_speculative_tokens=4, adaptive_speculation=True),
 }
 
@@ -129,8 +131,8 @@ def main() -> None:
     ap.add_argument("--torch-matmul-too", action="store_true",
                     help="on a CPU in float32, each method also runs on an engine whose linear layers keep torch's "
                     "matmul at every row count (cpu_weight_copies false, see perf/bench_cpu_linears.py), labelled so")
-    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ("none, 2nd engine", "eagle k=2",
-                                                                                      "eagle adaptive")],
+    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ("none, 2nd engine", "eagle k=1",
+                                                                                      "eagle k=2", "eagle k=3", "eagle adaptive")],
                     choices=list(METHODS),
                     help="the first is the baseline of every ratio")
     args = ap.parse_args()

@@ -251,16 +251,18 @@ def load_head(out: Path) -> tuple[EagleHead, torch.Tensor]:
     return head.eval(), token_ids
 
 
-def greedy_answers(tok, target, prompts: list[list[int]], batch: int = 8) -> list[list[int]]:
-    """The float32 target's greedy answers (left-padded batches; cut after the first eos)."""
+def target_answers(tok, target, prompts: list[list[int]], batch: int = 8, max_new_tokens: int = MAX_ANSWER_TOKENS,
+                   **sampling) -> list[list[int]]:
+    """The float32 target's answers (left-padded batches; cut after the first eos): greedy, or as
+    `sampling` (generate's do_sample, temperature, ...) says."""
     answers = []
     for b in range(0, len(prompts), batch):
         rows = prompts[b:b + batch]
         width = max(map(len, rows))
         ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in rows])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
-        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_ANSWER_TOKENS,
-                              do_sample=False, pad_token_id=tok.pad_token_id)
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                              pad_token_id=tok.pad_token_id, **({"do_sample": False} | sampling))
         for row in out[:, width:].tolist():
             answers.append(row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
     return answers
@@ -292,7 +294,7 @@ def heldout_sets(tok, target, data: dict, token_ids: torch.Tensor,
     sampled = [target_item(target, ids, start, token_ids, feature_layers) for ids, start in data["heldout"]]
     prompts = [ids[:start] for ids, start in data["heldout"]]
     greedy = [target_item(target, p + a, len(p), None, feature_layers)
-              for p, a in zip(prompts, greedy_answers(tok, target, prompts))]
+              for p, a in zip(prompts, target_answers(tok, target, prompts))]
     mismatch = sum((g["argmax"][g["start"] - 1:-1] != g["ids"][g["start"]:]).sum().item() for g in greedy)
     print(f"greedy held-out: {sum(len(g['ids']) - g['start'] for g in greedy)} answer tokens, "
           f"{mismatch} differ from the unpadded forward's argmax", flush=True)

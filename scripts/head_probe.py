@@ -1,0 +1,94 @@
+"""Two probes of a saved EAGLE head on the held-out requests (scripts/chat_prompts.HELDOUT, never
+trained on), with the float32 target's features; no training data needed.
+
+  calibration  the target's T = 0.7 answers (seeded): acceptance sum_x min(p, q) with the draft
+               sampled from softmax(z / (0.7 tau)) for each tau. Any q is verified exactly, so a
+               tau that raises acceptance would be free.
+  vocabulary   the target's greedy answers: the share of their tokens in the head's draft
+               vocabulary (its ceiling), and step-1 agreement with the vocabulary filled up by the
+               target's own embedding rows (untrained, scaled by each of --scales) beside the
+               head's trained rows.
+
+    python scripts/head_probe.py --threads 2      # the shipped head
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.chat_prompts import HELDOUT, chat  # noqa: E402
+from scripts.train_default_draft import load_target  # noqa: E402
+from scripts.train_eagle_draft import TEMPERATURE, load_head, target_answers, target_item  # noqa: E402
+
+HEAD = Path(__file__).resolve().parent.parent / "model_repository" / "llm_engine" / "1" / "eagle"
+
+
+def head_states(head, embed, target, prompt: list[int], answer: list[int], token_ids) -> tuple:
+    """(the head's normed f^ at the answer positions, the target's argmax there, its T = 0.7 p over
+    the draft vocabulary there)."""
+    it = target_item(target, prompt + answer, len(prompt), token_ids, [])
+    ids, j = it["ids"], slice(it["start"] - 1, len(it["ids"]) - 1)
+    feats = head.unroll(embed(ids[None, 1:]), it["hidden"][None, :-1], 1)[0][0][it["start"] - 2:-1]
+    normed = head.norm(feats) if head.norm is not None else feats
+    return normed.float(), it["argmax"][j], it["p"][j].float()
+
+
+def by_split(values: list[tuple[float, int]]) -> str:
+    """'all a, chat b, code c' over per-request (sum, count) pairs, chat requests first."""
+    half = len(HELDOUT) // 2
+    parts = {"all": values, "chat": values[:half], "code": values[half:]}
+    return ", ".join(f"{name} {sum(s for s, _ in v) / sum(n for _, n in v):.3f}" for name, v in parts.items())
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", type=Path, default=HEAD)
+    ap.add_argument("--taus", type=float, nargs="+", default=[0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.35, 1.5])
+    ap.add_argument("--scales", type=float, nargs="+", default=[0.8, 1.0])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tok, target = load_target(torch.float32)
+    embed = target.get_input_embeddings()
+    head, token_ids = load_head(args.head)
+    prompts = [tok(tok.apply_chat_template(chat(p), tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False).input_ids for p in HELDOUT]
+
+    answers = target_answers(tok, target, prompts, max_new_tokens=args.max_new_tokens, do_sample=True,
+                             temperature=TEMPERATURE, top_k=0, top_p=1.0)
+    sampled = [head_states(head, embed, target, p, a, token_ids) for p, a in zip(prompts, answers)]
+    print(f"calibration: {sum(len(s[1]) for s in sampled)} answer tokens at T = {TEMPERATURE}")
+    lm_head = head.lm_head.weight.float()
+    for tau in args.taus:
+        accept = [(torch.minimum(p, F.softmax(h @ lm_head.T / (TEMPERATURE * tau), -1)).sum().item(), len(p))
+                  for h, _, p in sampled]
+        print(f"  tau {tau}: acceptance {by_split(accept)}")
+
+    greedy = [head_states(head, embed, target, p, a, token_ids)
+              for p, a in zip(prompts, target_answers(tok, target, prompts))]
+    in_vocab = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+    in_vocab[token_ids] = True
+    print(f"vocabulary: {len(token_ids)} draft rows, {sum(len(g[1]) for g in greedy)} greedy answer tokens")
+    covered = [(in_vocab[a].sum().item(), len(a)) for _, a, _ in greedy]
+    print(f"  target argmax in the draft vocabulary: {by_split(covered)}")
+    agree = [((token_ids[(h @ lm_head.T).argmax(-1)] == a).sum().item(), len(a)) for h, a, _ in greedy]
+    print(f"  step-1 agreement, the head as trained: {by_split(agree)}")
+    for scale in args.scales:
+        rows = embed.weight.float() * scale
+        rows[token_ids] = lm_head
+        agree = [((h @ rows.T).argmax(-1) == a).sum().item() for h, a, _ in greedy]
+        print(f"  step-1 agreement, every other row the target's embedding x {scale}: "
+              f"{by_split([(s, len(g[1])) for s, g in zip(agree, greedy)])}")
+
+
+if __name__ == "__main__":
+    main()
