@@ -131,8 +131,8 @@ def main() -> None:
     ap.add_argument("--torch-matmul-too", action="store_true",
                     help="on a CPU in float32, each method also runs on an engine whose linear layers keep torch's "
                     "matmul at every row count (cpu_weight_copies false, see perf/bench_cpu_linears.py), labelled so")
-    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ("none, 2nd engine", "eagle k=1",
-                                                                                      "eagle k=2", "eagle k=3", "eagle adaptive")],
+    ap.add_argument("--methods", nargs="+", default=[m for m, knobs in METHODS.items() if m != "none, 2nd engine"
+                                                     and knobs["speculative_method"] != "eagle"],
                     choices=list(METHODS),
                     help="the first is the baseline of every ratio")
     args = ap.parse_args()

@@ -21,28 +21,23 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.chat_prompts import HELDOUT, chat  # noqa: E402
-from scripts.train_default_draft import load_target  # noqa: E402
-from scripts.train_eagle_draft import TEMPERATURE, load_head, target_answers, target_item  # noqa: E402
+from scripts.chat_prompts import HELDOUT  # noqa: E402
+from scripts.train_default_draft import chat_ids, load_target  # noqa: E402
+from scripts.train_eagle_draft import (  # noqa: E402
+    TEMPERATURE,
+    answer_drafts,
+    load_head,
+    splits,
+    target_answers,
+    target_item,
+)
 
 HEAD = Path(__file__).resolve().parent.parent / "model_repository" / "llm_engine" / "1" / "eagle"
 
 
-def head_states(head, embed, target, prompt: list[int], answer: list[int], token_ids) -> tuple:
-    """(the head's normed f^ at the answer positions, the target's argmax there, its T = 0.7 p over
-    the draft vocabulary there)."""
-    it = target_item(target, prompt + answer, len(prompt), token_ids, [])
-    ids, j = it["ids"], slice(it["start"] - 1, len(it["ids"]) - 1)
-    feats = head.unroll(embed(ids[None, 1:]), it["hidden"][None, :-1], 1)[0][0][it["start"] - 2:-1]
-    normed = head.norm(feats) if head.norm is not None else feats
-    return normed.float(), it["argmax"][j], it["p"][j].float()
-
-
 def by_split(values: list[tuple[float, int]]) -> str:
-    """'all a, chat b, code c' over per-request (sum, count) pairs, chat requests first."""
-    half = len(HELDOUT) // 2
-    parts = {"all": values, "chat": values[:half], "code": values[half:]}
-    return ", ".join(f"{name} {sum(s for s, _ in v) / sum(n for _, n in v):.3f}" for name, v in parts.items())
+    """'all a, chat b, code c' over per-request (sum, count) pairs, in HELDOUT's order."""
+    return ", ".join(f"{name} {sum(s for s, _ in v) / sum(n for _, n in v):.3f}" for name, v in splits(values).items())
 
 
 @torch.inference_mode()
@@ -60,12 +55,15 @@ def main() -> None:
     tok, target = load_target(torch.float32)
     embed = target.get_input_embeddings()
     head, token_ids = load_head(args.head)
-    prompts = [tok(tok.apply_chat_template(chat(p), tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False).input_ids for p in HELDOUT]
+    prompts = [chat_ids(tok, p) for p in HELDOUT]
+
+    def drafts(answers: list[list[int]]) -> list[tuple]:  # per request: (normed f^, target argmax, p)
+        items = [target_item(target, p + a, len(p), token_ids, []) for p, a in zip(prompts, answers)]
+        return [(head.norm(f).float(), argmax, p) for f, argmax, p in (answer_drafts(head, embed, it) for it in items)]
 
     answers = target_answers(tok, target, prompts, max_new_tokens=args.max_new_tokens, do_sample=True,
                              temperature=TEMPERATURE, top_k=0, top_p=1.0)
-    sampled = [head_states(head, embed, target, p, a, token_ids) for p, a in zip(prompts, answers)]
+    sampled = drafts(answers)
     print(f"calibration: {sum(len(s[1]) for s in sampled)} answer tokens at T = {TEMPERATURE}")
     lm_head = head.lm_head.weight.float()
     for tau in args.taus:
@@ -73,8 +71,7 @@ def main() -> None:
                   for h, _, p in sampled]
         print(f"  tau {tau}: acceptance {by_split(accept)}")
 
-    greedy = [head_states(head, embed, target, p, a, token_ids)
-              for p, a in zip(prompts, target_answers(tok, target, prompts))]
+    greedy = drafts(target_answers(tok, target, prompts))
     in_vocab = torch.zeros(target.config.vocab_size, dtype=torch.bool)
     in_vocab[token_ids] = True
     print(f"vocabulary: {len(token_ids)} draft rows, {sum(len(g[1]) for g in greedy)} greedy answer tokens")

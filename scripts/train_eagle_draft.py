@@ -308,6 +308,14 @@ def splits(items: list[dict]) -> dict[str, list[dict]]:
     return {"all": items, "chat": items[:chat], "code": items[chat:]}
 
 
+def answer_drafts(head: EagleHead, embed, it: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Step-1 drafting of an item's answer with true features: (the head's f^ [n, H] whose logits
+    draft each answer token, the target's argmax there [n], its T = 0.7 p there [n, V'] or None)."""
+    ids, j = it["ids"], slice(it["start"] - 1, len(it["ids"]) - 1)  # target positions predicting answers
+    feats = head.unroll(embed(ids[None, 1:]), it["hidden"][None, :-1], 1)[0][0]  # head position t = j - 1
+    return feats[it["start"] - 2:-1], it["argmax"][j], None if it["p"] is None else it["p"][j].float()
+
+
 @torch.inference_mode()
 def step1(head: EagleHead, embed, items: list[dict], token_ids: torch.Tensor) -> dict:
     """Greedy agreement and expected acceptance at T = 0.7 with true features, at the answer positions."""
@@ -315,11 +323,10 @@ def step1(head: EagleHead, embed, items: list[dict], token_ids: torch.Tensor) ->
     for name, subset in splits(items).items():
         agree = accept = count = 0.0
         for it in subset:
-            ids, j = it["ids"], slice(it["start"] - 1, len(it["ids"]) - 1)  # target positions predicting answers
-            feats = head.unroll(embed(ids[None, 1:]), it["hidden"][None, :-1], 1)[0][0]  # head position t = j - 1
-            q_logits = head.logits(feats[it["start"] - 2:-1]).float()
-            agree += (token_ids[q_logits.argmax(-1)] == it["argmax"][j]).sum().item()
-            accept += torch.minimum(it["p"][j].float(), F.softmax(q_logits / TEMPERATURE, -1)).sum().item()
+            feats, argmax, p = answer_drafts(head, embed, it)
+            q_logits = head.logits(feats).float()
+            agree += (token_ids[q_logits.argmax(-1)] == argmax).sum().item()
+            accept += torch.minimum(p, F.softmax(q_logits / TEMPERATURE, -1)).sum().item()
             count += len(q_logits)
         result[name] = {"agreement": agree / count, "acceptance": accept / count}
     return result
