@@ -23,7 +23,8 @@ teacher's top-k restricted to the draft vocabulary (renormalised, = KL up to a c
 x CE on the teacher's argmax, + `--feature` x smooth-L1 between draft and teacher final hidden states.
 
 Stages (``--stage``, a comma list):
-  teacher  measures the target's generation tok/s and estimates the data stage's CPU time
+  teacher  measures what a position of data costs here, per dtype: the target's generation tok/s
+           (data) and teacher-forced forward tok/s (logits), and estimates the data stage's CPU time
   data     generates the held-out answers (HELDOUT, T = 0.7), cuts the code windows, generates the
            chat answers and, with `--num-magpie`, the Magpie answers -> .cache/default_draft/data.pt;
            a rerun keeps what data.pt already holds (see stage_data) and generates only the rest
@@ -139,14 +140,31 @@ def code_windows(tok, num_windows: int, seed: int) -> list[list[int]]:
 
 
 def stage_teacher(args) -> None:
-    tok, _ = load_target(torch.float32)
+    """What a position of training data costs on this CPU, per dtype: the target's generation through
+    this engine (`--teacher-batch` chat prompts in flight, 64 tokens at T = 0.7; the data stage) and its
+    teacher-forced forward (`--batch-size` x SEQ_LEN tokens with the top-k; the logits stage). A position
+    of the target's own answers needs both, so positions per hour = 3600 / (1 / generation + 1 / forward)."""
+    tok, target = load_target(torch.float32)
     prompts = [chat_ids(tok, p) for p in training_prompts(args.seed)[:args.teacher_batch]]
+    input_ids = torch.randint(tok.vocab_size, (args.batch_size, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    fastest = 0.0  # generated tok/s of the faster dtype
     for dtype in ("float32", "bfloat16"):
-        answers, tps = generate_answers(prompts, 64, 0.7, dtype, args.threads)
-        print(f"teacher ({dtype}, batch {len(prompts)}, 64 tokens at T=0.7): {tps:.0f} generated tok/s")
+        _, generation = generate_answers(prompts, 64, 0.7, dtype, args.threads, max_num_seqs=len(prompts))
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            times = []
+            for _ in range(2):  # the first warms up
+                start = time.perf_counter()
+                hidden, _ = target_hidden(target, input_ids, [])
+                F.log_softmax(target.lm_head(hidden).float(), -1).topk(args.top_k, -1)
+                times.append(time.perf_counter() - start)
+        forward = input_ids.numel() / times[-1]
+        print(f"teacher ({dtype}): generation {generation:.0f} tok/s ({len(prompts)} in flight), teacher-forced "
+              f"forward {forward:.0f} tok/s ({args.batch_size} x {SEQ_LEN}): "
+              f"{3600 / (1 / generation + 1 / forward):,.0f} positions of answers per hour", flush=True)
+        fastest = max(fastest, generation)
     n = len(training_prompts(args.seed))
-    print(f"data: {n} chat answers x ~{args.max_answer_tokens} tokens at that rate: "
-          f"~{n * args.max_answer_tokens / tps / 60:.0f} min")
+    print(f"data: {n} chat answers x ~{args.max_answer_tokens} tokens at the faster generation rate: "
+          f"~{n * args.max_answer_tokens / fastest / 60:.0f} min")
 
 
 def stage_data(args) -> None:
