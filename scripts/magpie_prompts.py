@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="the engine's (float32 generates ~4.6x faster than bfloat16 "
                     "on a CPU without native bfloat16)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where the engine runs: cpu, or cuda (a GPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -143,7 +144,7 @@ def main() -> None:
         n = min(args.chunk, args.num_samples - len(samples))
         outputs, tps = generate_answers([prefix] * n, args.max_tokens, args.temperature, args.dtype, args.threads,
                                         seed0=args.seed + len(samples), top_p=args.top_p,
-                                        max_num_seqs=args.max_num_seqs)
+                                        max_num_seqs=args.max_num_seqs, device=args.device)
         samples += [{"text": tok.decode(ids, skip_special_tokens=True), "tokens": len(ids),
                      "ended": bool(ids) and ids[-1] == tok.eos_token_id or len(ids) < args.max_tokens}
                     for ids in outputs]

@@ -22,6 +22,9 @@ residual stream after those layers (an EAGLE head's fused features, scripts/trai
 teacher's top-k restricted to the draft vocabulary (renormalised, = KL up to a constant), + `--hard`
 x CE on the teacher's argmax, + `--feature` x smooth-L1 between draft and teacher final hidden states.
 
+Every stage runs where `--device` says: the CPU by default, or `cuda` (the engine's answers, the
+teacher's forwards and the training on a GPU, for data many times this size in minutes).
+
 Stages (``--stage``, a comma list):
   teacher  measures what a position of data costs here, per dtype: the target's generation tok/s
            (data) and teacher-forced forward tok/s (logits), and estimates the data stage's CPU time
@@ -75,12 +78,23 @@ MAGPIE_SEED = 1_000_000  # request seeds of the Magpie answers: MAGPIE_SEED + pr
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head dim x float32 bytes
 
 
-def load_target(dtype: torch.dtype):
+def load_target(dtype: torch.dtype, device: str = "cpu"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=dtype, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=dtype, local_files_only=True).to(device).eval()
     return tok, model
+
+
+def bf16_autocast(device: str, enabled: bool = True) -> torch.autocast:
+    """bfloat16 autocast on `device`'s kind (cpu, cuda)."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def synchronize(device: str) -> None:
+    """Wait for what was launched on `device` (a GPU's work is asynchronous; timings need it done)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def chat_ids(tok, prompt: str) -> list[int]:
@@ -90,9 +104,9 @@ def chat_ids(tok, prompt: str) -> list[int]:
 
 def generate_answers(prompts: list[list[int]], max_tokens: int, temperature: float | list[float], dtype: str,
                      threads: int, seed0: int = 0, top_p: float = 1.0,
-                     max_num_seqs: int = 64) -> tuple[list[list[int]], float]:
-    """The target's answers, batched through this engine (request i seeded seed0 + i; temperature, one
-    for all or one per prompt, 0 is greedy); returns (answers, generated tok/s)."""
+                     max_num_seqs: int = 64, device: str = "cpu") -> tuple[list[list[int]], float]:
+    """The target's answers, batched through this engine on `device` (request i seeded seed0 + i;
+    temperature, one for all or one per prompt, 0 is greedy); returns (answers, generated tok/s)."""
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.sampling_params import SamplingParams
@@ -100,8 +114,8 @@ def generate_answers(prompts: list[list[int]], max_tokens: int, temperature: flo
     temperatures = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
     longest = max(map(len, prompts)) + max_tokens
     kv_bytes = max(256 * 2**20, 2 * max_num_seqs * longest * KV_BYTES_PER_TOKEN)  # no preemption
-    engine = LLMEngine(EngineConfig(model=str(TARGET), dtype=dtype, num_threads=threads, max_num_seqs=max_num_seqs,
-                                    kv_cache_memory_bytes=kv_bytes))
+    engine = LLMEngine(EngineConfig(model=str(TARGET), dtype=dtype, device=device, num_threads=threads,
+                                    max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_bytes))
     ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=t, top_p=top_p, seed=seed0 + i))
            for i, (p, t) in enumerate(zip(prompts, temperatures))]
     answers: dict[str, list[int]] = {}
@@ -144,18 +158,21 @@ def stage_teacher(args) -> None:
     this engine (`--teacher-batch` chat prompts in flight, 64 tokens at T = 0.7; the data stage) and its
     teacher-forced forward (`--batch-size` x SEQ_LEN tokens with the top-k; the logits stage). A position
     of the target's own answers needs both, so positions per hour = 3600 / (1 / generation + 1 / forward)."""
-    tok, target = load_target(torch.float32)
+    tok, target = load_target(torch.float32, args.device)
     prompts = [chat_ids(tok, p) for p in training_prompts(args.seed)[:args.teacher_batch]]
     input_ids = torch.randint(tok.vocab_size, (args.batch_size, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    input_ids = input_ids.to(args.device)
     fastest = 0.0  # generated tok/s of the faster dtype
     for dtype in ("float32", "bfloat16"):
-        _, generation = generate_answers(prompts, 64, 0.7, dtype, args.threads, max_num_seqs=len(prompts))
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        _, generation = generate_answers(prompts, 64, 0.7, dtype, args.threads, max_num_seqs=len(prompts),
+                                         device=args.device)
+        with torch.inference_mode(), bf16_autocast(args.device, dtype == "bfloat16"):
             times = []
             for _ in range(2):  # the first warms up
                 start = time.perf_counter()
                 hidden, _ = target_hidden(target, input_ids, [])
                 F.log_softmax(target.lm_head(hidden).float(), -1).topk(args.top_k, -1)
+                synchronize(args.device)
                 times.append(time.perf_counter() - start)
         forward = input_ids.numel() / times[-1]
         print(f"teacher ({dtype}): generation {generation:.0f} tok/s ({len(prompts)} in flight), teacher-forced "
@@ -180,7 +197,8 @@ def stage_data(args) -> None:
     if [s[0][:s[1]] for s in old.get("heldout", [])] == heldout:
         data["heldout"] = old["heldout"]
     else:
-        answers, tps = generate_answers(heldout, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads)
+        answers, tps = generate_answers(heldout, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads,
+                                        device=args.device)
         data["heldout"] = [(p + a, len(p)) for p, a in zip(heldout, answers)]
         print(f"held-out answers: {len(answers)}, {sum(map(len, answers))} tokens, {tps:.0f} tok/s", flush=True)
     if len(old.get("code", [])) == args.num_code_windows:
@@ -195,7 +213,7 @@ def stage_data(args) -> None:
         first = len(data["chat"])
         todo = prompts[first:first + args.chat_chunk]
         answers, tps = generate_answers(todo, args.max_answer_tokens, 0.7, args.teacher_dtype, args.threads,
-                                        seed0=first)
+                                        seed0=first, device=args.device)
         data["chat"] += [(p + a, len(p)) for p, a in zip(todo, answers)]
         torch.save(data, CACHE / "data.pt")
         print(f"chat answers: {len(data['chat'])} of {len(prompts)}, {sum(map(len, answers))} tokens in the last "
@@ -231,7 +249,7 @@ def magpie_answers(tok, data: dict, args) -> None:
         temperatures = [0.0 if every and (first + i) % every == 0 else 0.7 for i in range(len(chunk))]
         tick = time.monotonic()
         answers, _ = generate_answers(chunk, args.magpie_answer_tokens, temperatures, args.teacher_dtype, args.threads,
-                                      seed0=MAGPIE_SEED + first, max_num_seqs=128)
+                                      seed0=MAGPIE_SEED + first, max_num_seqs=128, device=args.device)
         last = time.monotonic() - tick
         wall += last
         seqs += [(p + a, len(p)) for p, a in zip(chunk, answers)]
@@ -262,15 +280,16 @@ def new_draft(target, layers: list[int], token_ids: torch.Tensor):
 
     draft = LlamaForCausalLM(draft_config(target.config, layers, len(token_ids)))
     draft.lm_head = torch.nn.Linear(target.config.hidden_size, len(token_ids), bias=False)
-    state = {k: v.float() for k, v in target.state_dict().items() if not k.startswith(("model.layers.", "lm_head."))}
+    target_state = {k: v.float().cpu() for k, v in target.state_dict().items()}
+    state = {k: v for k, v in target_state.items() if not k.startswith(("model.layers.", "lm_head."))}
     for i, layer in enumerate(layers):
         prefix = f"model.layers.{layer}."
-        state.update({f"model.layers.{i}.{k[len(prefix):]}": v.float() for k, v in target.state_dict().items()
+        state.update({f"model.layers.{i}.{k[len(prefix):]}": v for k, v in target_state.items()
                       if k.startswith(prefix)})
-    state["lm_head.weight"] = state["model.embed_tokens.weight"][token_ids].clone()
+    state["lm_head.weight"] = state["model.embed_tokens.weight"][token_ids.cpu()].clone()
     draft.load_state_dict(state, strict=True)
     draft.model.embed_tokens.weight.requires_grad = False
-    return draft
+    return draft.to(target.device)
 
 
 def save_draft(draft, token_ids: torch.Tensor, out: Path) -> None:
@@ -282,10 +301,10 @@ def save_draft(draft, token_ids: torch.Tensor, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     draft.config.save_pretrained(out)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
+    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
              if k != "model.embed_tokens.weight"}
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    save_file({"token_ids": token_ids.to(torch.int64).contiguous()}, out / "draft_vocab.safetensors")
+    save_file({"token_ids": token_ids.to("cpu", torch.int64).contiguous()}, out / "draft_vocab.safetensors")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                  "generation_config.json"):
         if (TARGET / name).exists():
@@ -293,7 +312,8 @@ def save_draft(draft, token_ids: torch.Tensor, out: Path) -> None:
 
 
 def load_draft(path: Path, target):
-    """The saved draft as a LlamaForCausalLM (float32) with the target's embedding; returns (draft, token_ids)."""
+    """The saved draft as a LlamaForCausalLM (float32) with the target's embedding, on the target's device;
+    returns (draft, token_ids)."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -302,9 +322,9 @@ def load_draft(path: Path, target):
     draft = LlamaForCausalLM(config)
     draft.lm_head = torch.nn.Linear(config.hidden_size, len(token_ids), bias=False)
     state = {k: v.float() for k, v in load_file(path / "model.safetensors").items()}
-    state["model.embed_tokens.weight"] = target.get_input_embeddings().weight.detach().float()
+    state["model.embed_tokens.weight"] = target.get_input_embeddings().weight.detach().float().cpu()
     draft.load_state_dict(state, strict=True)
-    return draft.eval(), token_ids
+    return draft.to(target.device).eval(), token_ids.to(target.device)
 
 
 def padded(sequences: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,7 +358,7 @@ def stage_logits(args) -> None:
     autocast): at each position the top-`--top-k` log-probabilities (T = 1) with their token ids, the
     final (normed) hidden state and, with `--feature-layers`, the residual stream after each of those
     layers (for an EAGLE head with fused features; all stored in bfloat16)."""
-    tok, target = load_target(torch.float32)
+    tok, target = load_target(torch.float32, args.device)
     data = torch.load(CACHE / "data.pt")
     feature_layers = [int(x) for x in args.feature_layers.split(",") if x]
     cache, start = {"feature_layers": feature_layers}, time.monotonic()
@@ -349,13 +369,15 @@ def stage_logits(args) -> None:
         for b in range(0, len(order), args.batch_size):
             rows = order[b:b + args.batch_size]
             input_ids, _ = padded([seqs[i] for i in rows], tok.pad_token_id)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.teacher_dtype == "bfloat16"):
-                hidden, layers = target_hidden(target, input_ids, feature_layers)
+            with bf16_autocast(args.device, args.teacher_dtype == "bfloat16"):
+                hidden, layers = target_hidden(target, input_ids.to(args.device), feature_layers)
                 logp = F.log_softmax(target.lm_head(hidden).float(), -1)
             top = logp.topk(args.top_k, -1)
+            top, hidden = (top.indices.cpu(), top.values.cpu()), hidden.cpu()
+            layers = layers.cpu() if layers is not None else None
             for r, i in enumerate(rows):
                 n = len(seqs[i][0])
-                out[i] = dict(ids=top.indices[r, :n].int(), logp=top.values[r, :n].half(),
+                out[i] = dict(ids=top[0][r, :n].int(), logp=top[1][r, :n].half(),
                               hidden=hidden[r, :n].to(torch.bfloat16))
                 if layers is not None:
                     out[i]["layers"] = layers[r, :n].to(torch.bfloat16)
@@ -387,7 +409,7 @@ class HeldOut:
         self.items = []
         with torch.inference_mode():
             for ids, start in sequences:
-                input_ids, mask = padded([(ids, start)], pad)
+                input_ids, mask = (t.to(target.device) for t in padded([(ids, start)], pad))
                 logits = target(input_ids).logits.float()[mask]
                 self.items.append((input_ids, mask, logits.argmax(-1), F.softmax(logits / temperature, -1).half()))
         self.temperature = temperature
@@ -450,7 +472,7 @@ def distil_loss(logits, hidden_d, mask, top_ids, top_logp, hidden_t, index, hard
     q_log = F.log_softmax(logits.float(), -1)[mask]  # [N, V']
     rows = index[top_ids[mask]]  # [N, k]
     inside = rows >= 0
-    p = torch.where(inside, top_logp[mask].exp(), torch.zeros(()))
+    p = top_logp[mask].exp().masked_fill(~inside, 0.0)
     p = p / p.sum(-1, keepdim=True).clamp(min=1e-8)
     q_top = q_log.gather(-1, rows.clamp(min=0))
     soft = -(p * q_top).sum(-1).mean()
@@ -462,13 +484,14 @@ def distil_loss(logits, hidden_d, mask, top_ids, top_logp, hidden_t, index, hard
 
 def stage_train(args) -> None:
     torch.manual_seed(args.seed)
-    tok, target = load_target(torch.float32)
+    tok, target = load_target(torch.float32, args.device)
     data, teacher = torch.load(CACHE / "data.pt"), torch.load(CACHE / "teacher.pt")
     layers = [int(x) for x in args.layers.split(",")]
     vocab = target.config.vocab_size
     token_ids = select_vocab(data, teacher, args.draft_vocab, vocab)
     index = torch.full((vocab,), -1, dtype=torch.long)
     index[token_ids] = torch.arange(len(token_ids))
+    token_ids, index = token_ids.to(args.device), index.to(args.device)
     heldout = HeldOut(target, data["heldout"], tok.pad_token_id)
     coverage = sum((index[a] >= 0).sum().item() for _, _, a, _ in heldout.items) / sum(len(a) for _, _, a, _ in heldout.items)
     print(f"draft vocabulary {len(token_ids)}: covers {coverage:.3f} of the held-out target argmaxes")
@@ -484,11 +507,11 @@ def stage_train(args) -> None:
     start, step, tokens = time.monotonic(), 0, 0
     deadline = start + args.minutes * 60
     while time.monotonic() < deadline:
-        input_ids, mask, top_ids, top_logp, hidden_t = next(source)
+        input_ids, mask, top_ids, top_logp, hidden_t = (t.to(args.device) for t in next(source))
         progress = (time.monotonic() - start) / (deadline - start)
         lr = args.lr * min(1.0, progress * 20) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
         opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = lr, lr * args.head_lr_scale
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with bf16_autocast(args.device):
             hidden_d = draft.model(input_ids).last_hidden_state
             logits = draft.lm_head(hidden_d)
         loss, parts = distil_loss(logits, hidden_d, mask, top_ids, top_logp, hidden_t, index, args.hard, args.feature)
@@ -547,6 +570,9 @@ def main() -> None:
     ap.add_argument("--feature-layers", default="",
                     help="logits stage: also keep the residual stream after these target layers (e.g. 2,15,27)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu",
+                    help="where the target and the draft run in every stage: cpu, or cuda (a GPU, where the data and "
+                    "the training take minutes)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

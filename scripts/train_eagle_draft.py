@@ -76,10 +76,12 @@ from scripts.chat_prompts import HELDOUT_CHAT
 from scripts.train_default_draft import (
     CACHE,
     REPO_ROOT,
+    bf16_autocast,
     distil_loss,
     load_draft,
     load_target,
     select_vocab,
+    synchronize,
     target_hidden,
     train_batches,
 )
@@ -168,7 +170,8 @@ class EagleHead(nn.Module):
         [B, N - d, H]: the d-th (from 0) at n is f^_{n+1+d}."""
         x = self.inputs(token_embeds, self.fused(feats))
         n = x.shape[1]
-        positions, ctx_mask = torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(-1)
+        positions = torch.arange(n, device=x.device)
+        ctx_mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
         q, k_ctx, v_ctx = self.qkv(x, positions)
         own_k, own_v, out = [k_ctx], [v_ctx], []
         for d in range(depth):
@@ -204,13 +207,13 @@ def new_head(target, layer: int, token_ids: torch.Tensor, final_norm: bool, fc_i
     if feature_layers:
         add_fuse(head, feature_layers)
     prefix = f"model.layers.{layer}."
-    head.layer.load_state_dict({k[len(prefix):]: v.float() for k, v in target.state_dict().items()
+    head.layer.load_state_dict({k[len(prefix):]: v.float().cpu() for k, v in target.state_dict().items()
                                 if k.startswith(prefix)})
-    head.lm_head.weight.data.copy_(target.get_input_embeddings().weight.detach()[token_ids])
+    head.lm_head.weight.data.copy_(target.get_input_embeddings().weight.detach().cpu()[token_ids.cpu()])
     if final_norm:
         head.norm.load_state_dict(target.model.norm.state_dict())
     if fc_init == "sum":
-        rms = lambda w: w.detach().float().pow(2).mean().sqrt()
+        rms = lambda w: w.detach().float().pow(2).mean().sqrt().cpu()
         eye = torch.eye(config.hidden_size)
         scale = rms(target.model.norm.weight) / rms(target.get_input_embeddings().weight)
         head.fc.weight.data.copy_(torch.cat([scale * eye, eye], 1))
@@ -222,9 +225,9 @@ def save_head(head: EagleHead, token_ids: torch.Tensor, out: Path, layer: int) -
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
+    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    save_file({"token_ids": token_ids.to(torch.int64).contiguous()}, out / "draft_vocab.safetensors")
+    save_file({"token_ids": token_ids.to("cpu", torch.int64).contiguous()}, out / "draft_vocab.safetensors")
     config = {
         "architecture": "eagle_head", "hidden_size": head.config.hidden_size, "draft_vocab_size": len(token_ids),
         "fc": {"in_features": 2 * head.config.hidden_size, "out_features": head.config.hidden_size, "bias": True,
@@ -259,8 +262,8 @@ def target_answers(tok, target, prompts: list[list[int]], batch: int = 8, max_ne
     for b in range(0, len(prompts), batch):
         rows = prompts[b:b + batch]
         width = max(map(len, rows))
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in rows])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in rows], device=target.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=target.device)
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                               pad_token_id=tok.pad_token_id, **({"do_sample": False} | sampling))
         for row in out[:, width:].tolist():
@@ -272,7 +275,7 @@ def target_item(target, ids: list[int], start: int, token_ids: torch.Tensor | No
     """A sequence with the float32 target's features (as the feature pool holds them: the residual stream
     after each of feature_layers and the final normed hidden state, concatenated) and argmaxes at every
     position, and (given token_ids) its T = 0.7 probabilities of the draft tokens."""
-    input_ids = torch.tensor([ids])
+    input_ids = torch.tensor([ids], device=target.device)
     hidden, layers = target_hidden(target, input_ids, feature_layers)
     hidden = hidden[0]
     logits = target.lm_head(hidden)
@@ -284,13 +287,13 @@ def target_item(target, ids: list[int], start: int, token_ids: torch.Tensor | No
 @torch.inference_mode()
 def heldout_sets(tok, target, data: dict, token_ids: torch.Tensor,
                  feature_layers: list[int]) -> tuple[list[dict], list[dict]]:
-    """(sampled, greedy) held-out items, chat prompts first; computed once into heldout.pt (heldout_l2-15.pt
-    with feature_layers 2, 15)."""
+    """(sampled, greedy) held-out items, chat prompts first, on the target's device; computed once into
+    heldout.pt (heldout_l2-15.pt with feature_layers 2, 15)."""
     path = OUT / ("heldout.pt" if not feature_layers else f"heldout_l{'-'.join(map(str, feature_layers))}.pt")
     if path.exists():
         cached = torch.load(path)
-        if torch.equal(cached["token_ids"], token_ids) and cached.get("feature_layers", []) == feature_layers:
-            return cached["sampled"], cached["greedy"]
+        if torch.equal(cached["token_ids"], token_ids.cpu()) and cached.get("feature_layers", []) == feature_layers:
+            return to_device(cached["sampled"], target.device), to_device(cached["greedy"], target.device)
     sampled = [target_item(target, ids, start, token_ids, feature_layers) for ids, start in data["heldout"]]
     prompts = [ids[:start] for ids, start in data["heldout"]]
     greedy = [target_item(target, p + a, len(p), None, feature_layers)
@@ -299,8 +302,14 @@ def heldout_sets(tok, target, data: dict, token_ids: torch.Tensor,
     print(f"greedy held-out: {sum(len(g['ids']) - g['start'] for g in greedy)} answer tokens, "
           f"{mismatch} differ from the unpadded forward's argmax", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    torch.save({"token_ids": token_ids, "feature_layers": feature_layers, "sampled": sampled, "greedy": greedy}, path)
+    torch.save({"token_ids": token_ids.cpu(), "feature_layers": feature_layers, "sampled": to_device(sampled, "cpu"),
+                "greedy": to_device(greedy, "cpu")}, path)
     return sampled, greedy
+
+
+def to_device(items: list[dict], device) -> list[dict]:
+    """Held-out items with their tensors on `device`."""
+    return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in it.items()} for it in items]
 
 
 def splits(items: list[dict]) -> dict[str, list[dict]]:
@@ -339,7 +348,7 @@ def head_chain(head: EagleHead, embed, it: dict, token_ids: torch.Tensor, k: int
     ids = it["ids"]
     greedy = lambda feats: token_ids[head.logits(feats).argmax(-1)]
     out = head.unroll(embed(ids[None, 1:]), it["hidden"][None, :-1], k, lambda d, feats: embed(greedy(feats)))
-    drafts = torch.full((k, len(ids) - 1), -1)
+    drafts = torch.full((k, len(ids) - 1), -1, device=ids.device)
     for d, feats in enumerate(out):
         drafts[d, :feats.shape[1]] = greedy(feats[0])
     return drafts
@@ -353,7 +362,7 @@ def standalone_chain(draft, it: dict, token_ids: torch.Tensor, k: int) -> torch.
 
     ids = it["ids"]
     out = draft(ids[None], use_cache=True)
-    drafts = torch.full((k, len(ids) - 1), -1)
+    drafts = torch.full((k, len(ids) - 1), -1, device=ids.device)
     drafts[0] = token_ids[out.logits[0, :-1].argmax(-1)]
     for j in range(it["start"] - 1, len(ids) - k):
         cache = DynamicCache([(layer.keys[..., :j + 1, :], layer.values[..., :j + 1, :]) for layer in out.cache.layers])
@@ -408,14 +417,14 @@ def train_step(head, embed, opt, batch, index, args) -> tuple[int, list[tuple]]:
     input_ids, mask, top_ids, top_logp, hidden = batch
     embeds = embed(input_ids)
     final = hidden[..., -head.config.hidden_size:]  # f, the smooth-L1 target (hidden: the pool's features)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+    with bf16_autocast(args.device, args.bf16):
         outs = head.unroll(embeds[:, 1:], hidden[:, :-1], 1 + args.ttt, lambda d, feats: embeds[:, 1 + d:])
         sels = [mask[:, 1 + d:] for d in range(len(outs))]
         feats = [out[sel] for out, sel in zip(outs, sels)]
         logits = [head.logits(f) for f in feats]
     total, parts = 0.0, []
     for d, (f, lg, sel) in enumerate(zip(feats, logits, sels)):
-        loss, part = distil_loss(lg, f, torch.ones(len(f), dtype=torch.bool), top_ids[:, 1 + d:][sel],
+        loss, part = distil_loss(lg, f, torch.ones(len(f), dtype=torch.bool, device=f.device), top_ids[:, 1 + d:][sel],
                                  top_logp[:, 1 + d:][sel], final[:, 1 + d:][sel], index, args.hard, 1 / args.ce_weight)
         total, parts = total + args.ce_weight * loss, parts + [part]
     opt.zero_grad(set_to_none=True)
@@ -433,7 +442,7 @@ def train(head, embed, data, teacher, index, sampled, greedy, token_ids, pad: in
     start, step, tokens, train_s = time.monotonic(), 0, 0, 0.0
     deadline = start + args.minutes * 60
     while time.monotonic() < deadline and (not args.patience or stale < args.patience):
-        batch = next(source)
+        batch = [t.to(args.device) for t in next(source)]
         tick = time.monotonic()
         for group in opt.param_groups:
             group["lr"] = lr_at(args, (tick - start) / (deadline - start))
@@ -456,13 +465,15 @@ def train(head, embed, data, teacher, index, sampled, greedy, token_ids, pad: in
             "train_step_tokens_per_s": tokens / max(train_s, 1e-9), "history": history}
 
 
-def median_time(fn, iters: int, warmup: int = 3) -> float:
+def median_time(fn, iters: int, device, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        synchronize(device)
         tick = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - tick)
     return statistics.median(times)
 
@@ -472,31 +483,34 @@ def target_time(target, queries: int, iters: int) -> float:
     """Median seconds of a target forward of `queries` tokens after CONTEXT cached ones (HF KV cache)."""
     from transformers import DynamicCache
 
+    device = target.device
     cache = DynamicCache()
-    target(torch.randint(10, 4000, (1, CONTEXT)), cache=cache, use_cache=True)
-    tokens = torch.randint(10, 4000, (1, queries))
+    target(torch.randint(10, 4000, (1, CONTEXT), device=device), cache=cache, use_cache=True)
+    tokens = torch.randint(10, 4000, (1, queries), device=device)
 
     def forward():
         target(tokens, cache=cache, use_cache=True)
         cache.crop(-queries)
-    return median_time(forward, iters)
+    return median_time(forward, iters, device)
 
 
 @torch.inference_mode()
 def head_time(head: EagleHead, embed, token_ids: torch.Tensor, iters: int) -> float:
     """Median seconds of one head forward (1 query, CONTEXT cached head keys) including the greedy pick."""
-    width = (len(head.feature_layers) + 1) * head.config.hidden_size
-    context = head.inputs(embed(torch.randint(10, 4000, (1, CONTEXT))), head.fused(torch.randn(1, CONTEXT, width)))
-    _, k_ctx, v_ctx = head.qkv(context, torch.arange(CONTEXT))
-    token, feat = torch.tensor([[42]]), torch.randn(1, 1, head.config.hidden_size)
-    ctx_mask, position = torch.ones(1, CONTEXT, dtype=torch.bool), torch.tensor([CONTEXT])
+    width, device = (len(head.feature_layers) + 1) * head.config.hidden_size, token_ids.device
+    context = head.inputs(embed(torch.randint(10, 4000, (1, CONTEXT), device=device)),
+                          head.fused(torch.randn(1, CONTEXT, width, device=device)))
+    _, k_ctx, v_ctx = head.qkv(context, torch.arange(CONTEXT, device=device))
+    token, feat = torch.tensor([[42]], device=device), torch.randn(1, 1, head.config.hidden_size, device=device)
+    ctx_mask = torch.ones(1, CONTEXT, dtype=torch.bool, device=device)
+    position = torch.tensor([CONTEXT], device=device)
 
     def forward():
         x = head.inputs(embed(token), feat)
         q, k, v = head.qkv(x, position)
         out = head.block(x, q, k_ctx, v_ctx, ctx_mask, k.unsqueeze(-2), v.unsqueeze(-2))
         return token_ids[head.logits(out)[0, -1].argmax()]
-    return median_time(forward, iters)
+    return median_time(forward, iters, device)
 
 
 def timings(target, head, embed, token_ids, k: int, draft=None) -> dict:
@@ -555,12 +569,13 @@ def main() -> None:
     ap.add_argument("--patience", type=int, default=0, help="stop after this many evaluations without gain (0: off)")
     ap.add_argument("--baseline", default="", help="a saved standalone draft to measure chained, too")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where the target and the head run: cpu, or cuda (a GPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    tok, target = load_target(torch.float32)
+    tok, target = load_target(torch.float32, args.device)
     embed = copy.deepcopy(target.get_input_embeddings()).requires_grad_(False)
     data, teacher = torch.load(CACHE / "data.pt"), torch.load(CACHE / "teacher.pt")
     vocab = target.config.vocab_size
@@ -575,6 +590,7 @@ def main() -> None:
         head = new_head(target, args.layer, token_ids, args.final_norm, args.fc_init, feature_layers)
     index = torch.full((vocab,), -1, dtype=torch.long)
     index[token_ids] = torch.arange(len(token_ids))
+    head, token_ids, index = head.to(args.device), token_ids.to(args.device), index.to(args.device)
     sampled, greedy = heldout_sets(tok, target, data, token_ids, head.feature_layers)
     summary, draft = {"args": vars(args)}, None
     if args.baseline:
@@ -586,7 +602,7 @@ def main() -> None:
     summary["training"] = train(head, embed, data, teacher, index, sampled, greedy, token_ids, tok.pad_token_id, args)
     out = Path(args.out)
     save_head(head, token_ids, out, args.layer)
-    reloaded, _ = load_head(out)
+    reloaded = load_head(out)[0].to(args.device)
     summary["after"] = evaluate(reloaded, embed, sampled, greedy, token_ids, args.k, f"after training (saved, {out})")
     summary["timings"] = t = timings(target, reloaded, embed, token_ids, args.k, draft)
     summary["speedup"] = speedup(summary["after"]["chain"]["all"]["expected_accepted"], args.k, t["c"], t["verify_cost"])
