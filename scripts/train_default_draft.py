@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from perf.bench_gpu import sync  # noqa: E402
 from scripts.chat_prompts import HELDOUT, chat, training_prompts  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -89,12 +90,6 @@ def load_target(dtype: torch.dtype, device: str = "cpu"):
 def bf16_autocast(device: str, enabled: bool = True) -> torch.autocast:
     """bfloat16 autocast on `device`'s kind (cpu, cuda)."""
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=enabled)
-
-
-def synchronize(device: str) -> None:
-    """Wait for what was launched on `device` (a GPU's work is asynchronous; timings need it done)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def chat_ids(tok, prompt: str) -> list[int]:
@@ -172,7 +167,7 @@ def stage_teacher(args) -> None:
                 start = time.perf_counter()
                 hidden, _ = target_hidden(target, input_ids, [])
                 F.log_softmax(target.lm_head(hidden).float(), -1).topk(args.top_k, -1)
-                synchronize(args.device)
+                sync(input_ids.device)
                 times.append(time.perf_counter() - start)
         forward = input_ids.numel() / times[-1]
         print(f"teacher ({dtype}): generation {generation:.0f} tok/s ({len(prompts)} in flight), teacher-forced "
@@ -373,11 +368,11 @@ def stage_logits(args) -> None:
                 hidden, layers = target_hidden(target, input_ids.to(args.device), feature_layers)
                 logp = F.log_softmax(target.lm_head(hidden).float(), -1)
             top = logp.topk(args.top_k, -1)
-            top, hidden = (top.indices.cpu(), top.values.cpu()), hidden.cpu()
+            top_ids, top_logp, hidden = top.indices.cpu(), top.values.cpu(), hidden.cpu()
             layers = layers.cpu() if layers is not None else None
             for r, i in enumerate(rows):
                 n = len(seqs[i][0])
-                out[i] = dict(ids=top[0][r, :n].int(), logp=top[1][r, :n].half(),
+                out[i] = dict(ids=top_ids[r, :n].int(), logp=top_logp[r, :n].half(),
                               hidden=hidden[r, :n].to(torch.bfloat16))
                 if layers is not None:
                     out[i]["layers"] = layers[r, :n].to(torch.bfloat16)

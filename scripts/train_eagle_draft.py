@@ -72,6 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from perf.bench_gpu import sync
 from scripts.chat_prompts import HELDOUT_CHAT
 from scripts.train_default_draft import (
     CACHE,
@@ -81,7 +82,6 @@ from scripts.train_default_draft import (
     load_draft,
     load_target,
     select_vocab,
-    synchronize,
     target_hidden,
     train_batches,
 )
@@ -470,10 +470,10 @@ def median_time(fn, iters: int, device, warmup: int = 3) -> float:
         fn()
     times = []
     for _ in range(iters):
-        synchronize(device)
+        sync(device)
         tick = time.perf_counter()
         fn()
-        synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - tick)
     return statistics.median(times)
 
