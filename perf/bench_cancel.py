@@ -14,8 +14,8 @@ thread each), on a copy of the model repository in a temporary directory. Agains
   balance  (count 2 only) 64 equal-size short requests at concurrency 8 (client.stream.complete);
            each instance's share of the requests finished.
 
-    python perf/bench_cancel.py
-    python perf/bench_cancel.py --requests 16 --max-tokens 1500 --cancel-max-tokens 32
+    python -m perf.bench_cancel
+    python -m perf.bench_cancel --requests 16 --max-tokens 1500 --cancel-max-tokens 32
 """
 from __future__ import annotations
 
@@ -34,12 +34,10 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from client.stream import INPUT_TYPES, complete, new_abort_key, stop_inputs  # noqa: E402
-from perf.bench_serving import load_prompts  # noqa: E402
-from perf.sweep_serving import free_port, make_repository  # noqa: E402
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
+from client.stream import INPUT_TYPES, complete, new_abort_key, stop_inputs
+from perf.serving_load import load_prompts
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.repository_variants import make_repository
 
 PROMPT_TOKENS, FIRST_TOKENS, POLL_S = 32, 3, 0.01
 FINISHED, RUNNING = "specserve_request_success_total", "specserve_num_requests_running"
@@ -211,7 +209,7 @@ def measure(count: int, args, prompts: list[str], workdir: Path) -> dict:
 
 def tables(results: list[dict], args) -> str:
     ms = lambda a, q: f"{np.nanpercentile(a, q):.0f}"  # noqa: E731
-    lines = [f"`python perf/bench_cancel.py --requests {args.requests} --max-tokens {args.max_tokens} "
+    lines = [f"`python -m perf.bench_cancel --requests {args.requests} --max-tokens {args.max_tokens} "
              f"--cancel-max-tokens {args.cancel_max_tokens}`: llm_engine KIND_CPU, num_threads 1, "
              f"{os.cpu_count()} CPU cores; {args.requests} streams of {PROMPT_TOKENS}-token random prompts, "
              f"temperature 0, ignore_eos, stopped one by one after >= {FIRST_TOKENS} tokens each", "",

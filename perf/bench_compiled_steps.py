@@ -7,25 +7,22 @@ length of --prompt-lengths, a prompt alone is prefilled (one token asked, so the
 its prefill; prefix caching off, so every repeat prefills it all), median of --repeats after 3
 warm-ups; for each count of --bursts, that many 13-token prompts arriving together (the time until
 the last has its token: one step of them all), median of 5 after 1 warm-up; then a batch-1 decode
-step (perf/profile_step.py's `decode_steps`), median of 64.
+step (perf/harness.py's `decode_steps`), median of 64.
 
-    python perf/bench_compiled_steps.py --threads 2
+    python -m perf.bench_compiled_steps --threads 2
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.profile_step import decode_steps  # noqa: E402
-from perf.prompts import DEFAULT_TARGET  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.sampling_params import SamplingParams
+from perf.harness import decode_steps
+from perf.prompts import DEFAULT_TARGET
 
 CONFIGS = {  # label -> engine knobs
     "torch attention, decode compiled": dict(attention_backend="torch", compile_decode=True),

@@ -8,27 +8,24 @@ start-up), side by side in one run.
        same chat prompts interleaved, greedy: tok/s and ms per step at each batch size, and
        whether the outputs are identical
 
-    python perf/bench_cpu_linears.py --threads 2
+    python -m perf.bench_cpu_linears --threads 2
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.model.linear_tuner import time_call  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.prompts import chat_prompts  # noqa: E402
-from serving.launcher import DEFAULT_MODEL_REPOSITORY  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.model.linear_tuner import time_call
+from backend.sampling_params import SamplingParams
+from perf.prompts import chat_prompts
+from serving.launcher import DEFAULT_MODEL_REPOSITORY
 
 DEFAULT_MODEL = DEFAULT_MODEL_REPOSITORY / "llm_engine" / "1" / "target"
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 256)

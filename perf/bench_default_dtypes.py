@@ -17,27 +17,22 @@ drift without the compounding of a diverged prefix), and degenerate outputs (few
 an output's 4-grams distinct: a loop). Speed: HF tok/s at batch 1 (generate, prefill included),
 HF prefill tok/s (one 512-token forward), engine tok/s with every prompt in flight and at batch 1.
 
-    python perf/bench_default_dtypes.py --threads 1
+    python -m perf.bench_default_dtypes --threads 1
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.prompts import DEFAULT_TARGET  # noqa: E402
-from scripts.chat_prompts import HELDOUT, chat  # noqa: E402
+from perf.harness import common_prefix, engine_generate, strip_eos, teacher_forced_agreement
+from perf.prompts import DEFAULT_TARGET
+from scripts.chat_prompts import HELDOUT, chat
 
 
 class Bf16Linear(nn.Module):
@@ -70,10 +65,6 @@ def load_hf(model_dir: Path, variant: str) -> nn.Module:
     return bf16_matmul_model(model) if variant == "bf16-matmul" else model
 
 
-def strip_eos(ids: list[int], eos: int) -> list[int]:
-    return ids[:-1] if ids and ids[-1] == eos else ids
-
-
 @torch.inference_mode()
 def hf_generate(model, prompts: list[list[int]], max_tokens: int, eos: int) -> tuple[list[list[int]], float]:
     outputs, tokens, start = [], 0, time.perf_counter()
@@ -88,19 +79,6 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int, eos: int) -> t
 
 
 @torch.inference_mode()
-def teacher_forced_agreement(model, prompts: list[list[int]], references: list[list[int]]) -> float:
-    """Share of positions of the reference continuations where `model`'s argmax is the reference token."""
-    agree = total = 0
-    for prompt, ref in zip(prompts, references):
-        if not ref:
-            continue
-        logits = model(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1:-1]  # [len(ref), vocab]
-        agree += (logits.argmax(-1) == torch.tensor(ref)).sum().item()
-        total += len(ref)
-    return agree / total
-
-
-@torch.inference_mode()
 def prefill_tokens_per_s(model, vocab_size: int, length: int = 512, repeats: int = 3) -> float:
     ids = torch.randint(3, vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     model(ids)  # warm-up
@@ -110,41 +88,9 @@ def prefill_tokens_per_s(model, vocab_size: int, length: int = 512, repeats: int
     return repeats * length / (time.perf_counter() - start)
 
 
-def engine_generate(model_dir: Path, dtype: str, prompts: list[list[int]], max_tokens: int, eos: int,
-                    threads: int, batch: int, engine: LLMEngine | None = None) -> tuple[list[list[int]], float]:
-    """Greedy answers and tok/s with `batch` requests in flight, from `engine` (else a new one)."""
-    engine = engine or LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, num_threads=threads, max_num_seqs=64))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    engine.add_request(prompts[0], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    while engine.has_unfinished_requests():
-        engine.step()
-    outputs: dict[str, list[int]] = {}
-    order, pending, in_flight, tokens = [], list(prompts), 0, 0
-    start = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
-        while pending and in_flight < batch:
-            order.append(engine.add_request(pending.pop(0), params))
-            in_flight += 1
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.token_ids)
-            tokens += len(out.token_ids)
-            in_flight -= out.finished
-    wall = time.perf_counter() - start
-    return [strip_eos(outputs.get(r, []), eos) for r in order], tokens / wall
-
-
 def degenerate(ids: list[int]) -> bool:
     grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
     return len(grams) >= 16 and len(set(grams)) < len(grams) / 2
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def quality(outputs: list[list[int]], reference: list[list[int]]) -> tuple[str, str, str]:

@@ -6,43 +6,23 @@
     2. the prefill of one prompt of 16-512 tokens (ms, in-process: TTFT without the server)
     3. tok/s with 8 and 32 chat prompts in flight, greedy, and whether the answers are the same
 
-    python perf/bench_dense_copy.py --threads 2 --modes int4 int8
+    python -m perf.bench_dense_copy --threads 2 --modes int4 int8
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from transformers import AutoTokenizer
 
-import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.model.quantized_linear import dense_dtype  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.bench_default_dtypes import engine_generate  # noqa: E402
-from perf.prompts import DEFAULT_TARGET, chat_prompts  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.model.quantized_linear import dense_dtype
+from perf.harness import engine_generate, prefill_ms
+from perf.prompts import DEFAULT_TARGET, chat_prompts
 
 COPIES = {"packed kernels only": -1, "{dtype} copies, timed at load": 0}
-
-
-def prefill_ms(engine: LLMEngine, length: int, repeats: int) -> float:
-    """The median time of the step that prefills one request of `length` tokens (prefix caching
-    cannot help: each repeat's first token differs)."""
-    times = []
-    for i in range(repeats + 1):
-        prompt = [100 + i] + [(7 * j) % 5000 + 200 for j in range(length - 1)]
-        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * 1e3
 
 
 def main() -> None:

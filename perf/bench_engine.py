@@ -12,11 +12,11 @@ request generates exactly max_tokens). Each system is warmed up once on a small 
 prompts first. The engine's greedy outputs are checked against unpadded HF `generate` for a few
 requests, since a fast wrong engine is a bug.
 
-    python perf/bench_engine.py                       # 64 requests on a random 4-layer Llama
-    python perf/bench_engine.py --quick               # 16 shorter requests
-    python perf/bench_engine.py --threads 1 --repeats 2   # steadier on a shared CPU
-    python perf/bench_engine.py --model model_repository/llm_engine/1/target --device cuda
-    python perf/bench_engine.py --skip-hf --profile engine.prof   # where the engine's time goes
+    python -m perf.bench_engine                       # 64 requests on a random 4-layer Llama
+    python -m perf.bench_engine --quick               # 16 shorter requests
+    python -m perf.bench_engine --threads 1 --repeats 2   # steadier on a shared CPU
+    python -m perf.bench_engine --model model_repository/llm_engine/1/target --device cuda
+    python -m perf.bench_engine --skip-hf --profile engine.prof   # where the engine's time goes
 """
 from __future__ import annotations
 
@@ -24,37 +24,24 @@ import argparse
 import contextlib
 import cProfile
 import pstats
-import random
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.device import resolve_device  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.model.model_loader import TORCH_DTYPES  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-
-NUM_SPECIAL_TOKENS = 3  # <s>, </s>, <pad> at ids 0..2 in the random checkpoint; prompts avoid them
-
-
-@dataclass(slots=True)
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]  # same order: tokens each request generates (EOS ignored)
-
-    @property
-    def useful_tokens(self) -> int:
-        return sum(self.max_tokens)
+from backend.config import EngineConfig
+from backend.device import resolve_device
+from backend.engine import LLMEngine
+from backend.model.model_loader import TORCH_DTYPES
+from backend.sampling_params import SamplingParams
+from perf.harness import PartTimer, TimedSampler, Workload, add_model_and_workload_arguments, make_workload
+from perf.random_checkpoints import write_random_llama
 
 
 @dataclass(slots=True)
@@ -82,66 +69,14 @@ class KVStats:
     peak_wasted_slots: int = 0  # allocated slots minus tokens whose K/V they hold, at that step
 
 
-@dataclass(slots=True)
-class PhaseTimer:
-    """Wall time per engine phase, gathered by wrapping the engine's own objects."""
-
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    sync: bool = False  # synchronize CUDA around each timed call
-
-    def wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            if self.sync:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            if self.sync:
-                torch.cuda.synchronize()
-            self.seconds[name] += time.perf_counter() - t0
-            self.calls[name] += 1
-            return out
-
-        return timed
-
-
-# -- model and workload ------------------------------------------------------------------------
-def write_random_llama(path: Path, args: argparse.Namespace) -> Path:
-    """A random-weight Llama checkpoint plus a word-level tokenizer covering its whole vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(args.seed)
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.max_position_embeddings, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    vocab = {"<s>": 0, "</s>": 1, "<pad>": 2} | {f"w{i}": i for i in range(NUM_SPECIAL_TOKENS, args.vocab)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    specials = dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials).save_pretrained(path)
-    return path
-
-
-def make_workload(num_requests: int, vocab: int, args: argparse.Namespace, seed: int) -> Workload:
-    rng = random.Random(seed)
-    prompts = [
-        [rng.randrange(NUM_SPECIAL_TOKENS, vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-        for _ in range(num_requests)
-    ]
-    return Workload(prompts, [rng.randint(args.min_tokens, args.max_tokens) for _ in range(num_requests)])
-
-
 # -- systems ------------------------------------------------------------------------------------
-def instrument(engine: LLMEngine, timer: PhaseTimer, kv: KVStats) -> None:
-    """Time the engine's phases, and record KV occupancy whenever the number of blocks in use
-    reaches a new peak (right after scheduling, when a step's blocks are all allocated)."""
-    scheduler, runner, attention = engine.scheduler, engine.runner, engine.attention
-    schedule = timer.wrap("schedule", scheduler.schedule)
+def instrument(engine: LLMEngine, timer: PartTimer, kv: KVStats) -> None:
+    """Time the engine's phases through the public methods of its parts (scheduler, runner,
+    attention backend, sampler, host waits, output processor), and record KV occupancy whenever
+    the number of blocks in use reaches a new peak (right after scheduling, when a step's blocks
+    are all allocated)."""
+    scheduler = engine.scheduler
+    schedule = timer.timed("schedule", scheduler.schedule)
 
     def schedule_and_measure(*args, **kwargs):
         batch = schedule(*args, **kwargs)
@@ -154,12 +89,13 @@ def instrument(engine: LLMEngine, timer: PhaseTimer, kv: KVStats) -> None:
         return batch
 
     scheduler.schedule = schedule_and_measure
-    runner.prepare = timer.wrap("prepare", runner.prepare)
-    runner.run = timer.wrap("run", runner.run)
-    attention.forward = timer.wrap("attention", attention.forward)
-    attention.rotate_and_store = timer.wrap("rotate_and_store", attention.rotate_and_store)
-    engine._sample = timer.wrap("sample", engine._sample)
-    engine._read_back = timer.wrap("read_back", engine._read_back)
+    timer.wrap(engine.runner, "prepare", "prepare")
+    timer.wrap(engine.runner, "run", "run")
+    timer.wrap(engine.attention, "forward", "attention")
+    timer.wrap(engine.attention, "rotate_and_store", "rotate_and_store")
+    engine.sampler = TimedSampler(engine, timer, "sample")
+    timer.wrap(engine.host_waits, "wait", "wait")
+    timer.wrap(engine.output_processor, "advance", "outputs")
 
 
 def run_engine(engine: LLMEngine, workload: Workload, progress: bool) -> RunResult:
@@ -253,7 +189,7 @@ def agreement(result: RunResult, reference: RunResult) -> str:
     return f"{same}/{len(reference.outputs)}"
 
 
-def report(results: list[RunResult], kv: KVStats, timer: PhaseTimer, targets: dict[str, float]) -> str:
+def report(results: list[RunResult], kv: KVStats, timer: PartTimer, targets: dict[str, float]) -> str:
     engine, num_steps = results[0], timer.calls["schedule"]
     lines = [
         "| system | useful tok/s | wall s | useful tokens | engine speed-up | target | outputs = engine | notes |",
@@ -292,26 +228,14 @@ def report(results: list[RunResult], kv: KVStats, timer: PhaseTimer, targets: di
         "forward: the rest (linears, norms, lm_head)": (
             t["run"] - t["prepare"] - t["attention"] - t["rotate_and_store"]
         ),
-        "sample (rows and draws, the sampler)": t["sample"],
-        "read back (append, detokenize, outputs)": t["read_back"],
+        "sample (the sampler: penalties, probabilities, draws)": t["sample"],
+        "wait for the step's tokens (host waits)": t["wait"],
+        "outputs (append, stop checks, detokenize)": t["outputs"],
     }
-    phases["outside these (step loop, outputs)"] = engine.wall_s - sum(phases.values())
+    phases["outside these (step loop, sampling metadata, read-back)"] = engine.wall_s - sum(phases.values())
     for name, s in phases.items():
         lines.append(f"| {name} | {s:.2f} | {1e3 * s / num_steps:.2f} | {s / engine.wall_s:.0%} |")
     return "\n".join(lines)
-
-
-def add_model_and_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """The random Llama's shape (write_random_llama) and the workload's lengths (make_workload)."""
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=4, help="fewer than --heads for GQA")
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--max-position-embeddings", type=int, default=1024)
-    p.add_argument("--min-prompt", type=int, default=32)
-    p.add_argument("--min-tokens", type=int, default=16)
 
 
 def parse_args() -> argparse.Namespace:
@@ -345,7 +269,7 @@ def parse_args() -> argparse.Namespace:
 class EngineRun:
     result: RunResult
     kv: KVStats
-    timer: PhaseTimer
+    timer: PartTimer
     attention_backend: str
 
 
@@ -358,7 +282,7 @@ def timed_engine_run(
     kv = KVStats(engine.num_blocks, config.block_size, bytes_per_block * engine.num_blocks)
     run_engine(engine, warmup, progress=False)
     engine.peak_blocks_used = 0
-    timer = PhaseTimer(sync=engine.device.type == "cuda")
+    timer = PartTimer(device=engine.device)
     instrument(engine, timer, kv)
     with profiler or contextlib.nullcontext():
         result = run_engine(engine, workload, progress)

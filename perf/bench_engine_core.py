@@ -5,26 +5,23 @@ Per system: time to first token and mean inter-token latency of requests sent on
 (greedy, EOS ignored), and tokens/s of N concurrent requests. Both run the same model and
 requests; each is warmed up first.
 
-    python perf/bench_engine_core.py                         # the default model
-    python perf/bench_engine_core.py --concurrency 32 --max-tokens 64
+    python -m perf.bench_engine_core                         # the default model
+    python -m perf.bench_engine_core --concurrency 32 --max-tokens 64
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.process.engine_core_client import EngineCoreClient  # noqa: E402
-from backend.engine_loop import EngineLoop  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.prompts import DEFAULT_TARGET  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.process.engine_core_client import EngineCoreClient
+from backend.engine_loop import EngineLoop
+from backend.sampling_params import SamplingParams
+from perf.prompts import DEFAULT_TARGET
 
 
 class Timings:

@@ -6,23 +6,20 @@ At 1-16 rows a linear layer is bound by reading its weight once: bytes = out * i
 is flushed, as in a real decode step, where the model's 2.4 GB of weights do not stay in L2.
 Every timed variant is first checked against torch's result. Medians.
 
-    python perf/bench_gemv.py                     # bf16, rows 1 4 8 16, default tiles
-    python perf/bench_gemv.py --block-n 16 32 64 --block-k 128 256 512   # tile sweep
+    python -m perf.bench_gemv                     # bf16, rows 1 4 8 16, default tiles
+    python -m perf.bench_gemv --block-n 16 32 64 --block-k 128 256 512   # tile sweep
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backend.model.linear_tuner import time_call  # noqa: E402
-from kernels.gemv import gemv  # noqa: E402
+from backend.model.linear_tuner import time_call
+from kernels.gemv import gemv
 
 SHAPES_1B = {  # name -> (out, in)
     "qkv_proj": (3072, 2048), "o_proj": (2048, 2048), "gate_up_proj": (16384, 2048),

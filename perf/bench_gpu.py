@@ -10,10 +10,10 @@ Measured in one run:
 Greedy tokens of the engine are checked against HF's on a few prompts first (bf16: the first
 tokens must agree; a fast wrong engine is a bug).
 
-    python perf/bench_gpu.py                 # the 1B shape (CUDA)
-    python perf/bench_gpu.py --shape 8b --default-only   # Llama-3.1-8B shape: the default engine and HF
-    python perf/bench_gpu.py --tiny          # a tiny shape, runs on CPU too (a smoke run)
-    python perf/bench_gpu.py --default-only --quantization fp8   # + the default engine with FP8 weights
+    python -m perf.bench_gpu                 # the 1B shape (CUDA)
+    python -m perf.bench_gpu --shape 8b --default-only   # Llama-3.1-8B shape: the default engine and HF
+    python -m perf.bench_gpu --tiny          # a tiny shape, runs on CPU too (a smoke run)
+    python -m perf.bench_gpu --default-only --quantization fp8   # + the default engine with FP8 weights
 
 With --quantization fp8 the default engine runs a second time with FP8 weights (quantized at load
 from the same checkpoint), and a table sets both side by side: batch-1 ms/token and tok/s against
@@ -25,43 +25,21 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import traceback
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from transformers import LlamaForCausalLM
 
-import torch  # noqa: E402
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.sampling_params import SamplingParams
+from perf.harness import sync
+from perf.random_checkpoints import SHAPE_1B, SHAPE_8B, SHAPE_TINY, write_model
 
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.prompts import TINY_PAIR  # noqa: E402
-
-SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64,
-                rope_theta=500000.0, max_position_embeddings=4096)
-SHAPE_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, head_dim=128,
-                rope_theta=500000.0, max_position_embeddings=4096)
 SHAPES = {"1b": SHAPE_1B, "8b": SHAPE_8B}
-SHAPE_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True, head_dim=32,
-                  max_position_embeddings=2048)
-
-
-def write_model(path: Path, shape: dict, device: torch.device) -> int:
-    torch.manual_seed(0)
-    config = LlamaConfig(**shape, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16")
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    # any tokenizer serves: the output text is not measured (ids past its vocabulary decode to "")
-    AutoTokenizer.from_pretrained(str(TINY_PAIR / "target")).save_pretrained(path)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def model_bytes(model) -> int:
@@ -81,11 +59,6 @@ def same_greedy_tokens(engine: LLMEngine, prompts: list[list[int]], reference: d
             got.setdefault(o.request_id, []).extend(o.token_ids)
     pairs = list(zip(got.values(), reference.values()))
     return f"{sum(a == b for mine, ref in pairs for a, b in zip(mine, ref))}/{sum(len(ref) for _, ref in pairs)}"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def engine_decode_latency(engine: LLMEngine, prompt: list[int], new_tokens: int, times=None) -> float:

@@ -9,28 +9,25 @@ cannot end sooner, the others ignore EOS; "all, maxLength" bounds the strings to
 the rows' bitmasks: guide.fill_masks) plus applying them to the logits
 (xgrammar.apply_token_bitmask_inplace), timed around those two calls.
 
-    python perf/bench_guided.py                         # the default model, float32
-    python perf/bench_guided.py --threads 1 --repeats 3 # steadier on a shared CPU
+    python -m perf.bench_guided                         # the default model, float32
+    python -m perf.bench_guided --threads 1 --repeats 3 # steadier on a shared CPU
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import xgrammar
 
-import xgrammar  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.core.grammar_compiler import GrammarCompiler  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.sample import sampler as sampler_module  # noqa: E402
-from backend.sample import sampling_metadata as metadata_module  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from tests.model.test_guided_decoding import SCHEMAS  # noqa: E402  (ten shapes)
+from backend.config import EngineConfig
+from backend.core.grammar_compiler import GrammarCompiler
+from backend.engine import LLMEngine
+from backend.sample import sampler as sampler_module
+from backend.sample import sampling_metadata as metadata_module
+from backend.sampling_params import SamplingParams
+from tests.model.test_guided_decoding import SCHEMAS  # ten shapes
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model_repository" / "llm_engine" / "1" / "target"
 LONG = {"type": "array", "minItems": 1000, "items": {

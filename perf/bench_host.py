@@ -6,26 +6,24 @@ batch it, not the GPU, bounds throughput. This runs decode steps of a tiny model
 cheap and timed separately) and prints host milliseconds per step beside the step budget that a
 throughput target leaves: at batch B, T tokens/s allows B / T seconds per decode step.
 
-    python perf/bench_host.py                          # batch 1, 32, 128, 256; target 30,000 tok/s
-    python perf/bench_host.py --batch-sizes 64 --steps 50
+    python -m perf.bench_host                          # batch 1, 32, 128, 256; target 30,000 tok/s
+    python -m perf.bench_host --batch-sizes 64 --steps 50
 """
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.bench_gpu import SHAPE_TINY, sync, write_model  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.sampling_params import SamplingParams
+from perf.harness import sync
+from perf.random_checkpoints import SHAPE_TINY, write_model
 
 
 def host_ms_per_step(engine: LLMEngine, batch_size: int, steps: int, rng: random.Random) -> tuple[float, float]:

@@ -3,24 +3,21 @@ another client keeps sending a huge prompt (refused by its byte length before to
 largest prompt the byte bound lets through that still does not fit the context (tokenized, then
 refused). Prints a table of medians and their ratio to the small request alone.
 
-    python perf/bench_hostile.py                  # starts its own server on free ports
-    python perf/bench_hostile.py --url localhost:8001
+    python -m perf.bench_hostile                  # starts its own server on free ports
+    python -m perf.bench_hostile --url localhost:8001
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server  # noqa: E402
-from serving.preprocessor import Preprocessor  # noqa: E402
-from client.stream import GenerationError, complete  # noqa: E402
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.preprocessor import Preprocessor
+from client.stream import GenerationError, complete
 
 
 def small_latency(url: str, model: str, n: int) -> list[float]:

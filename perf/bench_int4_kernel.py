@@ -9,7 +9,7 @@ on a CPU with AVX-512 its AVX-512 build beside its AVX2 one) against torch's pac
        (eager and with `compile_decode`), tok/s with 8 and 32 chat prompts in flight, and how many
        greedy answers equal the other kernel's
 
-    python perf/bench_int4_kernel.py --threads 2
+    python -m perf.bench_int4_kernel --threads 2
 """
 from __future__ import annotations
 
@@ -18,20 +18,16 @@ import contextlib
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from transformers import AutoTokenizer
 
-import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.model.linear_tuner import time_call  # noqa: E402
-from backend.model.quantized_linear import Int4Linear  # noqa: E402
-from kernels import int4_cpu  # noqa: E402
-from perf.bench_default_dtypes import engine_generate  # noqa: E402
-from perf.bench_dense_copy import prefill_ms  # noqa: E402
-from perf.bench_quantization import batch1_step_ms, read_bandwidth  # noqa: E402
-from perf.prompts import DEFAULT_TARGET, chat_prompts  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.model.linear_tuner import time_call
+from backend.model.quantized_linear import Int4Linear
+from kernels import int4_cpu
+from perf.harness import batch1_step_ms, engine_generate, prefill_ms, read_bandwidth
+from perf.prompts import DEFAULT_TARGET, chat_prompts
 
 AVX2 = "int4 CPU kernel, AVX2"  # on a CPU with AVX-512 only: the kernel it would run without
 KERNELS = ("int4 CPU kernel", "torch packed")

@@ -14,12 +14,12 @@ Correctness comes first: every timed variant is compared with the float32 refere
 random inputs, and the run stops if one is wrong. Times are CUDA events around single calls after
 warm-up; medians. The KV cache (512 MiB at the defaults) is far larger than L2.
 
-    python perf/bench_kernels.py                           # batch 64, context 2048, 32/8 heads of 128, bf16
-    python perf/bench_kernels.py --num-splits 1 2 4        # also time forced split-KV counts
-    python perf/bench_kernels.py --batch 4 --context 32768 # small batch, long context: split-KV
-    python perf/bench_kernels.py --head-dim 64 --batch 128 --min-context 128 --context 1024 --block-n 32 64 128
+    python -m perf.bench_kernels                           # batch 64, context 2048, 32/8 heads of 128, bf16
+    python -m perf.bench_kernels --num-splits 1 2 4        # also time forced split-KV counts
+    python -m perf.bench_kernels --batch 4 --context 32768 # small batch, long context: split-KV
+    python -m perf.bench_kernels --head-dim 64 --batch 128 --min-context 128 --context 1024 --block-n 32 64 128
                                                            # the 1B shape's ragged decode, tile widths
-    python perf/bench_kernels.py --batch 1 --queries 4 --num-splits 1   # a batch-1 verification of 3
+    python -m perf.bench_kernels --batch 1 --queries 4 --num-splits 1   # a batch-1 verification of 3
                                                            # drafts (extend kernel), split-KV or not
 """
 from __future__ import annotations
@@ -29,11 +29,8 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-4}  # atol = rtol

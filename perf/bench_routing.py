@@ -10,15 +10,14 @@ Both get the same skewed load: Poisson arrivals, a fraction of long requests amo
 (a seeded draw, identical for both). Reported: TTFT p50/p99 (short and all requests), output
 tokens/s, and each instance's share of the requests; then back-pressure / round-robin ratios.
 
-    python perf/bench_routing.py
-    python perf/bench_routing.py --rate 4 --num-requests 128 --max-num-seqs 4 --max-pending 1
+    python -m perf.bench_routing
+    python -m perf.bench_routing --rate 4 --num-requests 128 --max-num-seqs 4 --max-pending 1
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import re
-import sys
 import tempfile
 import time
 import urllib.request
@@ -26,11 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from perf.bench_serving import RESULTS_DIR, StreamingClient, Workload, load_prompts  # noqa: E402
-from perf.sweep_serving import free_port, make_repository  # noqa: E402
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
+from perf import RESULTS_DIR
+from perf.serving_load import StreamingClient, Workload, load_prompts
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.repository_variants import make_repository
 
 TWO_INSTANCES = "instance_group [ { count: 2, kind: KIND_CPU } ]"
 FINISHED = "specserve_request_success_total"

@@ -8,14 +8,14 @@ speculation in the same run, the share of request-steps that speculated, accepta
 tokens per verification step, and the speedup S(k) = (1 - a^(k+1)) / ((1 - a)(k c + 1))
 predicts from the measured a and c.
 
-    python perf/bench_speculative.py                  # batch 1, 32, 64; T = 0 and 0.7; 3 rounds
-    python perf/bench_speculative.py --batch-sizes 1 --max-tokens 64
-    python perf/bench_speculative.py --max-tokens 64 --repeats 7 \
+    python -m perf.bench_speculative                  # batch 1, 32, 64; T = 0 and 0.7; 3 rounds
+    python -m perf.bench_speculative --batch-sizes 1 --max-tokens 64
+    python -m perf.bench_speculative --max-tokens 64 --repeats 7 \
         --methods none "none, 2nd engine" "draft k=3" "draft adaptive" "ngram adaptive"
-    python perf/spec_pair.py /tmp/pair --shape 1b --acceptance 0.7 && python perf/bench_speculative.py \
+    python -m perf.spec_pair /tmp/pair --shape 1b --acceptance 0.7 && python -m perf.bench_speculative \
         --target /tmp/pair/target --draft /tmp/pair/draft --draft-dtype bfloat16 --temperatures 0 \
         --batch-sizes 1 8 64 256 --async-scheduling on --num-kv-blocks 4000 --repeats 1   # on a GPU
-    python perf/bench_speculative.py --target model_repository/llm_engine/1/target \
+    python -m perf.bench_speculative --target model_repository/llm_engine/1/target \
         --eagle model_repository/llm_engine/1/eagle --dtype float32 --prompts chat --batch-sizes 1 \
         --methods none "eagle k=2" "eagle adaptive" --torch-matmul-too   # with and without oneDNN's copies
 """
@@ -23,20 +23,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.prompts import TINY_PAIR, chat_prompts, code_prompts  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.sampling_params import SamplingParams
+from perf.prompts import TINY_PAIR, chat_prompts, code_prompts
 
 METHODS = {  # name -> engine knobs
     "none": dict(speculative_method="none"),

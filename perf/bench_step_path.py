@@ -4,8 +4,8 @@ steps, by batch size. On a GPU a decode step should replay one graph per forward
 each draft forward's) and wait once (plain, overlapped) or at most twice (speculation, overlapped);
 on a CPU there are no graphs, but the waits are counted the same way.
 
-    python perf/bench_step_path.py                          # tiny shape, batch 1 and 8
-    python perf/bench_step_path.py --shape 1b --batch-sizes 1 8 64 --json out.json   # on a GPU
+    python -m perf.bench_step_path                          # tiny shape, batch 1 and 8
+    python -m perf.bench_step_path --shape 1b --batch-sizes 1 8 64 --json out.json   # on a GPU
 """
 from __future__ import annotations
 
@@ -13,20 +13,18 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.device import resolve_device  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.bench_gpu import SHAPE_1B, SHAPE_TINY, sync, write_model  # noqa: E402
+from backend.config import EngineConfig
+from backend.device import resolve_device
+from backend.engine import LLMEngine
+from backend.sampling_params import SamplingParams
+from perf.harness import sync
+from perf.random_checkpoints import SHAPE_1B, SHAPE_TINY, write_model
 
 MODES = {  # name -> engine knobs (the draft is the target itself: every draft accepted)
     "plain": dict(async_scheduling=False),

@@ -5,23 +5,20 @@ broadcasts.
 On one machine's CPU cores the ranks share what TP=1 uses alone (torch's threads), so expect
 little speed-up: the figure is the cost of the communication, not a GPU's scaling.
 
-    python perf/bench_tensor_parallel.py                       # a random 4-layer Llama, TP 1 vs 2
-    python perf/bench_tensor_parallel.py --tensor-parallel-size 4 --threads 1
+    python -m perf.bench_tensor_parallel                       # a random 4-layer Llama, TP 1 vs 2
+    python -m perf.bench_tensor_parallel --tensor-parallel-size 4 --threads 1
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.bench_engine import add_model_and_workload_arguments, make_workload, write_random_llama  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from perf.harness import Workload, add_model_and_workload_arguments, greedy_run, make_workload
+from perf.random_checkpoints import write_random_llama
 
 
 class Timer:
@@ -38,7 +35,7 @@ class Timer:
         return timed
 
 
-def run(config: EngineConfig, workload) -> tuple[float, float, list[list[int]]]:
+def run(config: EngineConfig, workload: Workload) -> tuple[float, float, list[list[int]]]:
     """tok/s, the share of the wall time in communication (rank 0), and the outputs."""
     engine = LLMEngine(config)
     comm = Timer()
@@ -52,20 +49,6 @@ def run(config: EngineConfig, workload) -> tuple[float, float, list[list[int]]]:
                     module._forward_hooks[key] = comm.wrap(hook)
     wall, outputs = greedy_run(engine, workload)
     return workload.useful_tokens / wall, comm.seconds / wall, outputs
-
-
-def greedy_run(engine: LLMEngine, workload) -> tuple[float, list[list[int]]]:
-    """Every request of the workload at once, greedy: the wall time and the outputs. Closes the engine."""
-    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-           for p, m in zip(workload.prompts, workload.max_tokens)]
-    outputs = {i: [] for i in ids}
-    started = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] += out.token_ids
-    wall = time.perf_counter() - started
-    engine.close()
-    return wall, [outputs[i] for i in ids]
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ Each request asks for --max-tokens tokens (greedy, EOS ignored); TTFT is the tim
 response with text, p50 and min over --requests after --warmup; the request is then dropped. Prefix caching is switched off so that every request
 prefills its whole prompt.
 
-    python perf/bench_ttft_path.py                                  # int4, 2 threads, compiled
-    python perf/bench_ttft_path.py --quantization none --no-compile
+    python -m perf.bench_ttft_path                                  # int4, 2 threads, compiled
+    python -m perf.bench_ttft_path --quantization none --no-compile
 """
 from __future__ import annotations
 
@@ -32,17 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.engine_loop import EngineLoop  # noqa: E402
-from client.stream import generate  # noqa: E402
-from perf.bench_llama_server import wait_for  # noqa: E402
-from perf.sweep_serving import free_port, make_repository  # noqa: E402
-from serving.engine_stream import EngineStream  # noqa: E402
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, start_server  # noqa: E402
-from serving.preprocessor import Preprocessor  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.engine_loop import EngineLoop
+from client.stream import generate
+from perf.serving_load import wait_for
+from serving.engine_stream import EngineStream
+from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.preprocessor import Preprocessor
+from serving.repository_variants import make_repository
 
 PROMPT = "Write a haiku about the sea."
 SETTLE_S = 0.2  # after dropping a request, for the engine to let it go (a cancellation is polled)

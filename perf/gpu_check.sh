@@ -43,30 +43,30 @@ multigpu() {
 }
 steps() {
   echo "== the step path, Llama-3.2-1B shape, bf16: graph replays and host waits per step"
-  timeout 100 $PY perf/bench_step_path.py --shape 1b --batch-sizes 1 64 2>&1 \
+  timeout 100 $PY -m perf.bench_step_path --shape 1b --batch-sizes 1 64 2>&1 \
     | grep -v -E "Loading|Writing" | tail -16 | tee "$OUT/step_path.txt"
 }
 bandwidth() {
   echo "== decode attention bandwidth"
-  timeout 90 $PY perf/bench_kernels.py --num-splits 1 2 4 2>&1 | tail -25 | tee -a "$OUT/bench_kernels.txt"
+  timeout 90 $PY -m perf.bench_kernels --num-splits 1 2 4 2>&1 | tail -25 | tee -a "$OUT/bench_kernels.txt"
   echo "== decode attention at the end-to-end shape (1B: head_dim 64, batch 128, contexts 128-1024)"
-  timeout 90 $PY perf/bench_kernels.py --head-dim 64 --batch 128 --min-context 128 --context 1024 \
+  timeout 90 $PY -m perf.bench_kernels --head-dim 64 --batch 128 --min-context 128 --context 1024 \
     --num-splits 1 2 --block-n 32 64 128 2>&1 | tail -25 | tee -a "$OUT/bench_kernels.txt"
   echo "== verification attention, batch 1 x 4 queries, 8B shape, context 8192: split-KV (auto) vs none"
-  timeout 60 $PY perf/bench_kernels.py --batch 1 --queries 4 --context 8192 --num-splits 1 2>&1 | tail -8 \
+  timeout 60 $PY -m perf.bench_kernels --batch 1 --queries 4 --context 8192 --num-splits 1 2>&1 | tail -8 \
     | tee -a "$OUT/bench_kernels.txt"
   echo "== small-batch linears: cuBLAS vs the Triton gemv kernel at the 1B shapes, tile sweep"
-  timeout 120 $PY perf/bench_gemv.py --block-n 16 32 64 --block-k 128 256 512 2>&1 | tail -30 | tee -a "$OUT/bench_kernels.txt"
+  timeout 120 $PY -m perf.bench_gemv --block-n 16 32 64 --block-k 128 256 512 2>&1 | tail -30 | tee -a "$OUT/bench_kernels.txt"
 }
 e2e() {
   echo "== end to end, Llama-3.2-1B shape, bf16"
-  timeout 220 $PY perf/bench_gpu.py --hf-requests 32 --json "$OUT/bench_gpu.json" 2>&1 | grep -v -E "Loading|Writing" \
+  timeout 220 $PY -m perf.bench_gpu --hf-requests 32 --json "$OUT/bench_gpu.json" 2>&1 | grep -v -E "Loading|Writing" \
     | tee -a "$OUT/bench_gpu.txt" | tail -40
 }
 fp8() {
   echo "== FP8 weights beside bf16, Llama-3.2-1B shape: batch-1 ms/token and 256 requests, each against its floor" \
     | tee -a "$OUT/bench_gpu.txt"
-  timeout 300 $PY perf/bench_gpu.py --default-only --quantization fp8 --hf-requests 8 2>&1 \
+  timeout 300 $PY -m perf.bench_gpu --default-only --quantization fp8 --hf-requests 8 2>&1 \
     | grep -v -E "Loading|Writing" | tee -a "$OUT/bench_gpu.txt" | tail -24
   echo "== FP8 kernel and model tests on CUDA" | tee -a "$OUT/tests.txt"
   timeout 120 $PY -m pytest tests/kernels/test_gemv.py tests/kernels/test_engine_triton_backend.py \
@@ -75,15 +75,15 @@ fp8() {
 e2e8b() {
   echo "== end to end, Llama-3.1-8B shape, bf16: the default engine against its floor (16 GB / 4.25 TB/s = 3.8 ms) and HF" \
     | tee -a "$OUT/bench_gpu.txt"
-  timeout 240 $PY perf/bench_gpu.py --shape 8b --default-only --hf-requests 32 --json "$OUT/bench_gpu_8b.json" 2>&1 \
+  timeout 240 $PY -m perf.bench_gpu --shape 8b --default-only --hf-requests 32 --json "$OUT/bench_gpu_8b.json" 2>&1 \
     | grep -v -E "Loading|Writing" | tee -a "$OUT/bench_gpu.txt" | tail -20
 }
 spec() {
   echo "== speculation with overlapped steps, 1B-shape pair of set acceptance (a one-layer draft), batch 1/8/64/256"
   pair=$(mktemp -d)
-  timeout 90 $PY perf/spec_pair.py "$pair" --shape 1b --acceptance 0.7 2>&1 | grep -v -E "Loading|Writing" | tail -2 \
+  timeout 90 $PY -m perf.spec_pair "$pair" --shape 1b --acceptance 0.7 2>&1 | grep -v -E "Loading|Writing" | tail -2 \
     | tee "$OUT/spec.txt"
-  timeout 200 $PY perf/bench_speculative.py --target "$pair/target" --draft "$pair/draft" --dtype bfloat16 \
+  timeout 200 $PY -m perf.bench_speculative --target "$pair/target" --draft "$pair/draft" --dtype bfloat16 \
     --draft-dtype bfloat16 --temperatures 0 --batch-sizes 1 8 64 256 --max-tokens 64 --repeats 1 \
     --async-scheduling on --num-kv-blocks 6000 --methods none "draft k=3" "draft adaptive" 2>&1 \
     | grep -v -E "Loading|Writing|runs:" | tee -a "$OUT/spec.txt" | tail -18
@@ -91,7 +91,7 @@ spec() {
 }
 host() {
   echo "== host work per decode step (tiny model, forward timed apart)"
-  timeout 120 $PY perf/bench_host.py --batch-sizes 1 64 256 2>&1 | tail -12 | tee -a "$OUT/bench_kernels.txt"
+  timeout 120 $PY -m perf.bench_host --batch-sizes 1 64 256 2>&1 | tail -12 | tee -a "$OUT/bench_kernels.txt"
 }
 for section in $STEPS; do
   echo "== section $section, $(date +%T)"

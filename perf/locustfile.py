@@ -13,20 +13,19 @@ completed request reports custom events, so the stats, CSV and HTML report carry
               second, not ms, and the "size" columns count output tokens
 
     make locust                                       # 50 users, 2 minutes, against localhost:8000
-    locust -f perf/locustfile.py --headless -u 50 -r 10 -t 2m --host http://localhost:8000 \\
+    python -m locust -f perf/locustfile.py --headless -u 50 -r 10 -t 2m --host http://localhost:8000 \\
         --max-tokens 64 --csv perf/results/locust --html perf/results/locust.html
 """
 from __future__ import annotations
 
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
 from locust import HttpUser, between, events, task
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from perf.prompts import DEFAULT_TARGET
+from perf.serving_load import load_prompts
 
 ENDPOINT = "/v2/models/{model}/generate_stream"
 PROMPTS: list[str] = []
@@ -45,9 +44,6 @@ def _arguments(parser) -> None:
 
 @events.init.add_listener
 def _load_prompts(environment, **_kwargs) -> None:
-    from perf.bench_serving import load_prompts
-    from perf.prompts import DEFAULT_TARGET
-
     options = environment.parsed_options
     PROMPTS.extend(load_prompts(DEFAULT_TARGET, options.dataset, options.num_prompts, *options.input_tokens))
 

@@ -6,25 +6,22 @@ bfloat16, so a bfloat16 head multiplies by exactly its trained weights; its acti
 it rounds). Every engine runs the same requests in each round, the rounds interleaved; wrapping
 the parts adds a little time to each.
 
-    python perf/profile_spec_step.py --threads 2 --k 2 --draft-dtypes float32 bfloat16
+    python -m perf.profile_spec_step --threads 2 --k 2 --draft-dtypes float32 bfloat16
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from transformers import AutoTokenizer
 
-import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.profile_step import PartTimer  # noqa: E402
-from perf.prompts import DEFAULT_TARGET, chat_prompts  # noqa: E402
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.sampling_params import SamplingParams
+from perf.harness import PartTimer, TimedSampler
+from perf.prompts import DEFAULT_TARGET, chat_prompts
 
 DEFAULT_HEAD = DEFAULT_TARGET.parent / "eagle"
 HEAD_PARTS = [("head: fc", "fc"), ("head: qkv", "layer.self_attn.qkv_proj"), ("head: o", "layer.self_attn.o_proj"),
@@ -47,7 +44,7 @@ def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tu
 def instrument(engine: LLMEngine) -> PartTimer:
     timer = PartTimer()
     timer.wrap(engine.runner.model, "forward", "target forward")
-    timer.wrap(engine, "_sample", "sampling and verification")
+    engine.sampler = TimedSampler(engine, timer, "sampling and verification")
     if engine.speculator.proposer is not None:
         head = engine.speculator.proposer.runner.model
         for label, path in HEAD_PARTS:

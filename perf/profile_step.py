@@ -8,58 +8,18 @@ Wrapping adds a little time to each part; the step is also timed unwrapped. With
 --compile-decode the same step is then timed compiled (compile_decode; a compiled graph has no
 parts to wrap), against the eager one and the floor.
 
-    python perf/profile_step.py --quantization int4 --threads 1 [--compile-decode]
+    python -m perf.profile_step --quantization int4 --threads 1 [--compile-decode]
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
-
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.sampling_params import SamplingParams  # noqa: E402
-from perf.bench_quantization import read_bandwidth, weight_bytes_per_step  # noqa: E402
-from perf.prompts import DEFAULT_TARGET  # noqa: E402
-
-
-class PartTimer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = collections.defaultdict(float)
-
-    def wrap(self, obj, name: str, label: str) -> None:
-        """Time every call of obj.<name> under `label` (set on the instance)."""
-        fn = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - start
-
-        object.__setattr__(obj, name, timed)
-
-
-def decode_steps(engine: LLMEngine, steps: int, after_warm_up=lambda: None) -> list[float]:
-    """Times of `steps` decode steps of one request, after its prefill and first decode."""
-    engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
-    engine.step()
-    engine.step()
-    after_warm_up()
-    times = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return times
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from perf.harness import PartTimer, TimedSampler, decode_steps, read_bandwidth, weight_bytes_per_step
+from perf.prompts import DEFAULT_TARGET
 
 
 def main() -> None:
@@ -85,7 +45,7 @@ def main() -> None:
     timer.wrap(engine.attention, "forward", "paged attention")
     timer.wrap(model.lm_head, "forward", "lm_head")
     timer.wrap(model, "forward", "model forward (all of it)")
-    timer.wrap(engine, "_sample", "sampling")
+    engine.sampler = TimedSampler(engine, timer, "sampling")
     steps = decode_steps(engine, args.steps, timer.seconds.clear)
     total = sum(steps)
     per_step = {label: seconds / len(steps) * 1e3 for label, seconds in timer.seconds.items()}

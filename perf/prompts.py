@@ -4,18 +4,16 @@ random-token prompts."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from perf import REPO_ROOT
+from scripts.chat_prompts import HELDOUT, chat
+from scripts.python_corpus import split_corpus
+
 DEFAULT_TARGET = REPO_ROOT / "model_repository" / "llm_engine" / "1" / "target"
 TINY_PAIR = REPO_ROOT / "tests" / "fixtures" / "tiny_pair"  # the test pair (the default before SmolLM2)
 
 
 def heldout_texts(seed: int = 1234) -> list[str]:
-    sys.path.insert(0, str(REPO_ROOT))
-    from scripts.python_corpus import split_corpus
-
     splits, _ = split_corpus(seed)
     return splits["heldout"]
 
@@ -39,9 +37,6 @@ def code_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, seed: int 
 def chat_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     """n of the held-out chat and code requests (never in a draft's training data), each as the
     model's chat template renders it for generation; cycled when n is more than there are."""
-    sys.path.insert(0, str(REPO_ROOT))
-    from scripts.chat_prompts import HELDOUT, chat
-
     order = list(HELDOUT)
     random.Random(seed).shuffle(order)
     rendered = [tokenizer.apply_chat_template(chat(p), tokenize=False, add_generation_prompt=True) for p in order]

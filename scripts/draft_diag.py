@@ -3,18 +3,16 @@
 Agreement with the teacher's cached argmax (bfloat16 teacher, teacher.pt) on `--n` training chat
 answers and code windows, beside the held-out numbers that train_default_draft reports.
 
-    nice -n 19 python scripts/draft_diag.py .cache/default_draft/best --n 40
+    nice -n 19 python -m scripts.draft_diag .cache/default_draft/best --n 40
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.train_default_draft import CACHE, SEQ_LEN, load_draft, load_target, padded  # noqa: E402
+from scripts.train_default_draft import CACHE, SEQ_LEN, load_draft, load_target, padded
 
 
 @torch.inference_mode()

@@ -7,8 +7,8 @@ q draft; Leviathan et al. 2023, arXiv 2211.17192) at temperature 1 and 0.7, the 
 c of a draft decode step to a target decode step, and the predicted speedup
 S(k) = (1 - a^(k+1)) / ((1 - a)(k c + 1)) for k = 1..6 draft tokens per step.
 
-    python scripts/eval_default_models.py            # models in tests/fixtures/tiny_pair
-    python scripts/eval_default_models.py --heldout projects --windows 8
+    python -m scripts.eval_default_models            # models in tests/fixtures/tiny_pair
+    python -m scripts.eval_default_models --heldout projects --windows 8
 
 Acceptance at T = 0 is the greedy agreement (the draft's argmax is accepted exactly when it is the
 target's).
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from python_corpus import split_corpus, split_projects
-from train_default_models import DEFAULT_OUT, cache_dir, fixed_windows, load_split, tokenize
+from scripts.python_corpus import split_corpus, split_projects
+from scripts.train_default_models import DEFAULT_OUT, cache_dir, fixed_windows, load_split, tokenize
 
 TEMPERATURES = (1.0, 0.7)
 DRAFT_LENGTHS = range(1, 7)

@@ -9,21 +9,19 @@ trained on), with the float32 target's features; no training data needed.
                target's own embedding rows (untrained, scaled by each of --scales) beside the
                head's trained rows.
 
-    python scripts/head_probe.py --threads 2      # the shipped head
+    python -m scripts.head_probe --threads 2      # the shipped head
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.chat_prompts import HELDOUT  # noqa: E402
-from scripts.train_default_draft import chat_ids, load_target  # noqa: E402
-from scripts.train_eagle_draft import (  # noqa: E402
+from scripts.chat_prompts import HELDOUT
+from scripts.train_default_draft import chat_ids, load_target
+from scripts.train_eagle_draft import (
     TEMPERATURE,
     answer_drafts,
     load_head,

@@ -19,7 +19,7 @@ Writes .cache/default_draft/magpie_prompts.json: the raw samples (a rerun with a
 `--num-samples` generates only the missing ones, with the same seeds), the kept prompts in sample
 order and the count of each rejection.
 
-    nice -n 19 .venv/bin/python scripts/magpie_prompts.py --num-samples 3000 --chunk 384 --minutes 10 --threads 1
+    nice -n 19 .venv/bin/python -m scripts.magpie_prompts --num-samples 3000 --chunk 384 --minutes 10 --threads 1
 
 (on 1 core shared with other jobs: one chunk of 384 samples, ~8 min, 309 prompts kept)
 """
@@ -30,14 +30,11 @@ import argparse
 import difflib
 import json
 import re
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.chat_prompts import HELDOUT, training_prompts  # noqa: E402
-from scripts.train_default_draft import CACHE, TARGET, generate_answers  # noqa: E402
+from scripts.chat_prompts import HELDOUT, training_prompts
+from scripts.train_default_draft import CACHE, TARGET, generate_answers
 
 OUT = CACHE / "magpie_prompts.json"
 SENTINEL = "\x00"

@@ -40,18 +40,18 @@ Stages (``--stage``, a comma list):
            draft_vocab.safetensors, the target's tokenizer files and train_result.json
 
     # the data of the shipped EAGLE head (scripts/train_eagle_draft.py), on 2 cores: ~40 minutes
-    python scripts/magpie_prompts.py --num-samples 4096 --chunk 1024 --max-num-seqs 256 --dtype bfloat16 \
+    python -m scripts.magpie_prompts --num-samples 4096 --chunk 1024 --max-num-seqs 256 --dtype bfloat16 \
         --threads 2                                  # 3,180 prompts kept
-    python scripts/train_default_draft.py --stage data --teacher-dtype float32 --threads 2 --num-chat 680 \
+    python -m scripts.train_default_draft --stage data --teacher-dtype float32 --threads 2 --num-chat 680 \
         --num-code-windows 600                       # held-out and 670 chat answers: ~7 min
-    python scripts/train_default_draft.py --stage data --teacher-dtype bfloat16 --threads 2 --num-chat 680 \
+    python -m scripts.train_default_draft --stage data --teacher-dtype bfloat16 --threads 2 --num-chat 680 \
         --num-code-windows 600 --num-magpie 3180 --magpie-chunk 800 --magpie-answer-tokens 160   # ~18 min
-    python scripts/train_default_draft.py --stage logits --teacher-dtype bfloat16 --threads 2 \
+    python -m scripts.train_default_draft --stage logits --teacher-dtype bfloat16 --threads 2 \
         --feature-layers 2,15,27                     # 906k positions: ~8 min (and the fused features' streams)
     # a standalone draft on the same data
-    python scripts/train_default_draft.py --stage train --layers 0,1 --draft-vocab 8192 \
+    python -m scripts.train_default_draft --stage train --layers 0,1 --draft-vocab 8192 \
         --batch-size 8 --lr 1e-3 --minutes 38 --eval-every 250 --out .cache/default_draft/best
-    python scripts/draft_bench.py --threads 2     # batch-1 draft / target forward time
+    python -m scripts.draft_bench --threads 2     # batch-1 draft / target forward time
 """
 
 from __future__ import annotations
@@ -59,16 +59,14 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from perf.bench_gpu import sync  # noqa: E402
-from scripts.chat_prompts import HELDOUT, chat, training_prompts  # noqa: E402
+from perf.harness import sync
+from scripts.chat_prompts import HELDOUT, chat, training_prompts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET = REPO_ROOT / "model_repository" / "llm_engine" / "1" / "target"

@@ -19,16 +19,16 @@ Stages (``--stage`` takes a comma list or ``all``):
 Tokenizer and data land in .cache/default_models (projects: .cache/default_models/projects) and
 are reused when present, so the training stages can run on a machine whose sources differ. Start to finish on one box:
 
-    python scripts/train_default_models.py --stage all --target-minutes 20 --draft-minutes 5
+    python -m scripts.train_default_models --stage all --target-minutes 20 --draft-minutes 5
 
 or with the training on a GPU machine that has a copy of .cache/default_models (shards small
 enough to copy back, no tokenizer files), then packaged where the tokenizer was built:
 
-    python scripts/train_default_models.py --stage tokenizer,data
-    python scripts/train_default_models.py --stage target,draft --device cuda --out CKPT \
+    python -m scripts.train_default_models --stage tokenizer,data
+    python -m scripts.train_default_models --stage target,draft --device cuda --out CKPT \
         --weights-only --shard 15MB --target-minutes 2.5 --draft-minutes 1
-    python scripts/train_default_models.py --stage package --from CKPT
-    python scripts/eval_default_models.py
+    python -m scripts.train_default_models --stage package --from CKPT
+    python -m scripts.eval_default_models
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # imported as scripts.train_default_models too
-from python_corpus import split_corpus  # noqa: E402
+from scripts.python_corpus import split_corpus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache" / "default_models"
@@ -361,7 +360,7 @@ def stage_package(args) -> None:
 
 
 def stage_eval(args) -> None:
-    from eval_default_models import evaluate
+    from scripts.eval_default_models import evaluate  # (it imports this module)
 
     print(evaluate(args.out, load_split("heldout", args.cache), args.eval_windows, args.seq_len, args.device))
 

@@ -24,7 +24,7 @@ arXiv 2503.01840): depth d + 1 from n is scored against the teacher at n + 1 + d
 fuse([rms(h_2,t); rms(h_15,t); rms(h_27,t); f_t]) over the residual streams after those target layers
 (the logits stage must have kept them: its `--feature-layers`); chained drafts still read f^. With
 `--init`, a head without fuse gains one that starts as [0, 0, 0, I], so training starts from exactly
-the saved head's drafts (perf/results_default_models.md: within 20 minutes on one thread, no gain
+the saved head's drafts (perf/results/default_models.md: within 20 minutes on one thread, no gain
 over the same continuation without them).
 
 Data: train_default_draft's data.pt and teacher.pt (the teacher's top-32 and hidden states).
@@ -45,9 +45,9 @@ int64 ascending) and train_result.json; the summary goes to `--result`.
 The shipped head (model_repository/llm_engine/1/eagle) was trained on 2 cores in two runs, after
 scripts/train_default_draft.py's data and logits stages (its docstring), 25 + 10 minutes:
 
-    python scripts/train_eagle_draft.py --threads 2 --minutes 25 --eval-every 400 \
+    python -m scripts.train_eagle_draft --threads 2 --minutes 25 --eval-every 400 \
         --out .cache/eagle_draft/head --result .cache/eagle_draft/result.json
-    python scripts/train_eagle_draft.py --threads 2 --init .cache/eagle_draft/head --ttt 1 --lr 2e-3 \
+    python -m scripts.train_eagle_draft --threads 2 --init .cache/eagle_draft/head --ttt 1 --lr 2e-3 \
         --minutes 10 --eval-every 300 --out .cache/eagle_draft/head_ttt --result .cache/eagle_draft/result_ttt.json
     cp .cache/eagle_draft/head_ttt/{config.json,model.safetensors,draft_vocab.safetensors,train_result.json} \
         model_repository/llm_engine/1/eagle/
@@ -63,7 +63,6 @@ import copy
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -71,8 +70,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from perf.bench_gpu import sync
+from perf.harness import sync
 from scripts.chat_prompts import HELDOUT_CHAT
 from scripts.train_default_draft import (
     CACHE,

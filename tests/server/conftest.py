@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from perf.sweep_serving import add_variant
 from serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_server
+from serving.repository_variants import add_variant
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.server

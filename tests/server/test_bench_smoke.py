@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from serving.launcher import start_server
-from perf.bench_serving import Workload, run_point
+from perf import BASELINE_REPOSITORY
+from perf.serving_load import Workload, run_point
 from perf.serving_metrics import SLO
-from perf.sweep_serving import BASELINE_REPOSITORY, free_port, make_repository
+from serving.launcher import free_port, start_server
+from serving.repository_variants import make_repository
 
 pytestmark = pytest.mark.server
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def check_point(point: dict) -> None:
 def test_bench_serving_writes_json_and_plots(server, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [
-        sys.executable, str(REPO_ROOT / "perf" / "bench_serving.py"), "--url", server.grpc_url,
+        sys.executable, "-m", "perf.bench_serving", "--url", server.grpc_url,
         "--dataset", "random", "--tokenizer", str(server.model_dir), "--input-tokens", "8", "16",
         "--num-prompts", str(NUM_REQUESTS), "--output-tokens", str(OUTPUT_TOKENS),
         "--request-rates", "20", "--concurrencies", "2", "--warmup", "0", "--no-prompt-cache",

@@ -8,8 +8,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # page faults over 20 batch-32 decode attention steps, with or without retain_freed_memory()
 SCRIPT = """
-import resource, sys, torch
-sys.path.insert(0, {repo!r})
+import resource, torch
 if {retain}:
     from backend.host_memory import retain_freed_memory
     assert retain_freed_memory()
@@ -34,7 +33,7 @@ def _page_faults(retain: bool) -> int:
     # after freeing a large mmapped block, at a moment that varies from run to run, and the
     # baseline's count with it (4,089-15,233 faults over runs, against ~41,000 with this)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(repo=str(REPO), retain=retain)],
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(retain=retain)], cwd=REPO,
                          check=True, capture_output=True, text=True, timeout=120, env=env)
     return int(out.stdout.strip().splitlines()[-1])
 

@@ -1,27 +1,27 @@
-"""A paper model of decode with tensor parallelism (TP) inside a node and pipeline parallelism (PP)
+"""A cost model, on paper, of decode with tensor parallelism (TP) inside a node and pipeline parallelism (PP)
 across nodes: Llama-3.1-405B (and Llama-3-70B for comparison) on 2 nodes of 8 NVIDIA H200s.
-Pure arithmetic, standard library only, no GPU. Builds on perf/model_tensor_parallel.py: the model
+Pure arithmetic, standard library only, no GPU. Builds on perf/cost_model_tensor_parallel.py: the model
 shapes, per-rank weight/KV bytes and FLOPs, the NVLink collective cost and the H200 constants are
 imported from it, and its assumptions (its module docstring) hold here too.
 
-    python perf/model_pipeline_parallel.py                       # the tables, in markdown
-    python perf/model_pipeline_parallel.py --batch 16 --context 8192 --ib-gbit 200
+    python -m perf.cost_model_pipeline_parallel                       # the tables, in markdown
+    python -m perf.cost_model_pipeline_parallel --batch 16 --context 8192 --ib-gbit 200
 
 Assumptions (the ones with a default are command-line options):
 - Llama-3.1-405B shape: hidden 16384, 126 layers, 128 heads, 8 KV heads of 128, MLP 53248, vocab
   128256, untied lm_head. Weights, KV cache and communicated activations are bf16 (2 bytes), except
   in the rows evaluated under a published figure's own conditions (fp8 weights there, KV still bf16).
 - Cluster: 2 nodes x 8 H200 SXM (NVLink 4 + NVSwitch inside a node, constants of
-  model_tensor_parallel). Between nodes, InfiniBand at --ib-gbit (default 400 Gb/s) PER GPU, one
+  cost_model_tensor_parallel). Between nodes, InfiniBand at --ib-gbit (default 400 Gb/s) PER GPU, one
   NIC per GPU (the DGX/HGX H200 rail layout, 8 x 400 Gb/s = 3.2 Tb/s per node), one direction, times
   --ib-efficiency (default 0.8): 40 GB/s per GPU.
 - Pipeline split: layers divided as evenly as possible into PP stages (126 / 2 = 63 each). Stage 0
   also stores the vocab-parallel embedding (1/TP per rank; the lookup reads B rows: neglected); the
   last stage stores and reads the lm_head (1/TP per rank) and the final norm.
 - One stage's step for one micro-batch of B sequences with L cached tokens: max(HBM bytes / bandwidth,
-  FLOPs / compute) + its TP collectives, as in model_tensor_parallel: 2 all-reduces per layer of
+  FLOPs / compute) + its TP collectives, as in cost_model_tensor_parallel: 2 all-reduces per layer of
   B x hidden x 2 bytes, plus the embedding all-reduce on stage 0 and the logits gather on the last.
-  Inside a node they run over NVLink (model_tensor_parallel.collective_s). Communication does not
+  Inside a node they run over NVLink (cost_model_tensor_parallel.collective_s). Communication does not
   overlap compute; host overhead, launch gaps and sampling are not modelled.
 - Stage boundary: the hidden states, B x hidden x 2 bytes, go from each TP rank of stage s to the same
   rank of stage s+1 over that GPU's own NIC (all ranks in parallel): --p2p-latency-us (default 8 us)
@@ -38,7 +38,7 @@ Assumptions (the ones with a default are command-line options):
   works at a time (each is idle about (PP-1)/PP of the time); with k = PP and balanced stages the
   stages are all busy and tokens/s is ~PP x higher at the same per-token latency (slightly higher when
   the last stage, with the lm_head, is the slowest). Aggregate tokens/s = k x B / cycle.
-- Memory: --usable-gib per GPU for weights + KV cache (model_tensor_parallel's default 139 GiB). The KV
+- Memory: --usable-gib per GPU for weights + KV cache (cost_model_tensor_parallel's default 139 GiB). The KV
   cache of all k x B sequences is held: each stage holds its own layers' KV for every micro-batch.
 - Shares in the table: stage idle share = 1 - (mean stage busy time per cycle) / cycle; communication
   share = (TP collectives + stage-boundary transfers) / (time of one micro-batch's pass).
@@ -49,11 +49,9 @@ import argparse
 import shlex
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import model_tensor_parallel as tpm  # noqa: E402  (perf/ is not a package)
-from model_tensor_parallel import GIB, H200, LLAMA3_70B, Assumptions, Gpu, ModelShape, StepTime  # noqa: E402
+import perf.cost_model_tensor_parallel as tpm
+from perf.cost_model_tensor_parallel import GIB, H200, LLAMA3_70B, Assumptions, Gpu, ModelShape, StepTime
 
 LLAMA31_405B = ModelShape("Llama-3.1-405B", 16384, 126, 128, 8, 128, 53248, 128256)
 GPUS_PER_NODE = 8
@@ -119,7 +117,7 @@ class Pipeline:
         return 1 - busy / self.cycle_s(in_flight)
 
 
-# ---- per-stage arithmetic, built on model_tensor_parallel's whole-model functions ----
+# ---- per-stage arithmetic, built on cost_model_tensor_parallel's whole-model functions ----
 
 def stage_layers(m: ModelShape, pp: int) -> list[int]:
     base, extra = divmod(m.layers, pp)
@@ -131,7 +129,7 @@ def lm_head_params_per_rank(m: ModelShape, tp: int) -> float:
 
 
 def layer_params_per_rank(m: ModelShape, tp: int) -> float:
-    """One decoder layer's matmul weights on one rank (model_tensor_parallel counts the lm_head too)."""
+    """One decoder layer's matmul weights on one rank (cost_model_tensor_parallel counts the lm_head too)."""
     return tpm.matmul_params_per_rank(replace(m, layers=1), tp) - lm_head_params_per_rank(m, tp)
 
 
@@ -339,7 +337,7 @@ def main() -> int:
     configs = [Config("TP=8 x PP=2 (2 nodes)", 8, 2), Config("TP=16 (2 nodes, all-reduce over IB)", 16, 1),
                Config("TP=8 x PP=1 (1 node)", 8, 1)]
     batches = sorted({1, args.batch})
-    command = shlex.join(["python", "perf/model_pipeline_parallel.py", *sys.argv[1:]])
+    command = shlex.join(["python", "-m", "perf.cost_model_pipeline_parallel", *sys.argv[1:]])
     out = ["# Pipeline-parallel decode across two H200 nodes: a paper model", "", f"    {command}", "",
            f"HBM {H200.hbm_tb_s} TB/s x {a.hbm_efficiency}, BF16 {H200.bf16_tflops:.0f} TFLOP/s x "
            f"{a.flops_efficiency}, NVLink bus {cl.nvlink.bytes_per_s / 1e9:.0f} GB/s per direction with "

@@ -1,11 +1,10 @@
-"""perf/spec_pair.py: a random-weight pair whose draft's greedy agreement with the target is set."""
+"""perf/random_checkpoints.write_pair: a random-weight pair whose draft's greedy agreement with the target is set."""
 from __future__ import annotations
 
 import torch
 from transformers import LlamaForCausalLM
 
-from perf.bench_gpu import SHAPE_TINY
-from perf.spec_pair import PROMPT_LEN, agreement, write_pair
+from perf.random_checkpoints import PROMPT_LEN, SHAPE_TINY, agreement, write_pair
 
 
 def test_the_pair_agrees_as_asked_and_the_draft_is_the_targets_first_layer(tmp_path):

@@ -1,8 +1,8 @@
-"""A paper model of tensor-parallel decode: ms/token and tokens/s for Llama-3-8B and
+"""A cost model, on paper, of tensor-parallel decode: ms/token and tokens/s for Llama-3-8B and
 Llama-3-70B shapes on NVIDIA H200 GPUs at TP 1, 2, 4 and 8. Pure arithmetic, no GPU.
 
-    python perf/model_tensor_parallel.py                          # the tables, in markdown
-    python perf/model_tensor_parallel.py --hbm-efficiency 0.75 --context 4096 --batch 128
+    python -m perf.cost_model_tensor_parallel                          # the tables, in markdown
+    python -m perf.cost_model_tensor_parallel --hbm-efficiency 0.75 --context 4096 --batch 128
 
 Assumptions (the ones with a default are command-line options):
 - Shapes. Llama-3-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads of 128, MLP 14336, vocab
@@ -291,7 +291,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     a = assumptions_from(args)
-    command = shlex.join(["python", "perf/model_tensor_parallel.py", *sys.argv[1:]])
+    command = shlex.join(["python", "-m", "perf.cost_model_tensor_parallel", *sys.argv[1:]])
     out = ["# Tensor-parallel decode on H200: a paper model", "", f"    {command}", "",
            f"HBM {H200.hbm_tb_s} TB/s x {a.hbm_efficiency}, BF16 {H200.bf16_tflops:.0f} TFLOP/s x "
            f"{a.flops_efficiency}, NVLink bus {bus_bytes_per_s(H200, a) / 1e9:.0f} GB/s per direction, "
