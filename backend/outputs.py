@@ -8,15 +8,17 @@ from dataclasses import dataclass
 class RequestOutput:
     request_id: str
     text: str  # new text since the previous output of this request (a delta)
-    token_ids: list[int]  # new token ids since the previous output
+    # the tokens whose text this output hands out (a token that may begin a stop string waits)
+    token_ids: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far
-    # per new token: {"token_id", "logprob", "rank" (1: the most likely), "top": {id: lp} (the n
-    # most likely), "text": {id: that token decoded alone} (the chosen and the top ids)}
+    # per token of token_ids: {"token_id", "logprob", "rank" (1: the most likely), "top": {id: lp}
+    # (the n most likely), "text": {id: its text} (the chosen token's part of the text, which the
+    # chosen ones of an output join to; for the others, what each would have added instead)}
     logprobs: list[dict] | None = None
-    cumulative_logprob: float | None = None  # the sum over every token so far, when logprobs are on
+    cumulative_logprob: float | None = None  # the sum over the tokens handed out so far, when logprobs are on
     error: str | None = None  # set when finish_reason == "error"
     num_draft_tokens: int = 0  # total proposed by speculation so far
     num_accepted_tokens: int = 0  # total accepted so far

@@ -1,6 +1,12 @@
 """Output processing: a request's new tokens appended one at a time (stops, EOS, length, the
 detokenizer's stop strings), its logprob entries made readable, and its output since the last one.
 
+A logprob entry spells its tokens as the text does: the chosen token as the part of the text it
+added (skip_special_tokens, the same spaces, "" for an EOS, cut where a stop string begins; the
+entries of the tokens that carry a stop string stay, as vLLM keeps them), the others as what each
+would have added in its place. An output hands out its tokens, their text and their entries
+together, so the entries of every output spell its text.
+
 The engine hands each read-back request's tokens to `advance`; a fault of the request's own fails
 it alone (`fail`); `output` also forgets a finished request.
 """
@@ -36,8 +42,7 @@ class OutputProcessor:
             return None
         chosen, rank, top_ids, top_values = entry
         top = dict(zip(top_ids[:n], top_values[:n]))
-        text = {i: self.tokenizer.decode([i]) for i in (token, *top)}
-        return {"token_id": token, "logprob": chosen, "rank": rank, "top": top, "text": text}
+        return {"token_id": token, "logprob": chosen, "rank": rank, "top": top}  # "text" as it is appended
 
     def advance(
         self, request: Request, tokens: list[int], logprobs: list[dict | None], error: Exception | None, trim: bool = False
@@ -81,8 +86,8 @@ class OutputProcessor:
                 request.guide.accept(token)
             request.output_token_ids.append(token)
             if lp is not None:
+                lp["text"] = detok.candidate_texts(t for t in lp["top"] if t != token)
                 request.pending_logprobs.append(lp)
-                request.cumulative_logprob += lp["logprob"]
             self.generation_tokens_total += 1
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
@@ -103,17 +108,24 @@ class OutputProcessor:
         """The request's news since its previous output; forgets the request once finished."""
         rid = request.request_id
         finished = request.is_finished
-        start, request.num_emitted_tokens = request.num_emitted_tokens, request.num_output_tokens
-        logprobs, request.pending_logprobs = request.pending_logprobs or None, []
+        detok = request.detokenizer
+        text = "" if request.error else detok.take_delta(finished)
+        start = request.num_emitted_tokens
+        request.num_emitted_tokens = request.num_output_tokens if finished else detok.num_emitted_tokens
+        logprobs = request.pending_logprobs[: request.num_emitted_tokens - start]
+        del request.pending_logprobs[: len(logprobs)]
+        for lp, token_text in zip(logprobs, detok.token_texts(start, request.num_emitted_tokens)):
+            lp["text"][lp["token_id"]] = token_text
+            request.cumulative_logprob += lp["logprob"]
         out = RequestOutput(
             request_id=rid,
-            text="" if request.error else request.detokenizer.take_delta(finished),
-            token_ids=request.output_token_ids[start:],
+            text=text,
+            token_ids=request.output_token_ids[start : request.num_emitted_tokens],
             finished=finished,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            logprobs=logprobs,
+            logprobs=logprobs or None,
             cumulative_logprob=request.cumulative_logprob if request.params.logprobs is not None else None,
             error=request.error,
             num_draft_tokens=request.spec.num_draft_tokens,

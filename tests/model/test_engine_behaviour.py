@@ -103,3 +103,24 @@ def test_logprobs_returned_per_token(engine):
     tokens = [t for o in outs for t in o.token_ids]
     assert [lp["token_id"] for lp in lps] == tokens
     assert all(len(lp["top"]) == 3 and max(lp["top"].values()) == lp["logprob"] for lp in lps)
+
+
+@pytest.mark.parametrize("stop_at", [None, 5])
+def test_each_outputs_logprob_entries_spell_its_text(engine, stop_at):
+    """At max_tokens and at a stop string (whose tokens keep their entries, spelling only the
+    text before it), every output's chosen tokens spell that output's text."""
+    params = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True, "logprobs": 2}
+    rid = engine.add_request([10, 11, 12], SamplingParams(**params))
+    text = drain(engine)[rid]["text"]
+    stop = [text[stop_at : stop_at + 2]] if stop_at else []
+    rid = engine.add_request([10, 11, 12], SamplingParams(**params, stop=stop))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    for out in outs:
+        entries = out.logprobs or []
+        assert [lp["token_id"] for lp in entries] == out.token_ids
+        assert "".join(lp["text"][lp["token_id"]] for lp in entries) == out.text
+    assert "".join(o.text for o in outs) == (text[: text.index(stop[0])] if stop else text)
+    assert outs[-1].finish_reason == ("stop" if stop else "length")
+    assert outs[-1].cumulative_logprob == pytest.approx(sum(lp["logprob"] for o in outs for lp in o.logprobs or []))
