@@ -18,6 +18,9 @@ predicts from the measured a and c.
     python -m perf.bench_speculative --target model_repository/llm_engine/1/target \
         --eagle model_repository/llm_engine/1/eagle --dtype float32 --prompts chat --batch-sizes 1 \
         --methods none "eagle k=2" "eagle adaptive" --torch-matmul-too   # with and without oneDNN's copies
+    python -m perf.bench_speculative --target model_repository/llm_engine/1/target \
+        --eagle model_repository/llm_engine/1/eagle --dtype float32 --prompts chat --temperatures 0.7 \
+        --batch-sizes 1 32 --methods none "eagle k=3" --unseeded-too --repeats 1  # keyed vs rejection sampling
 """
 from __future__ import annotations
 
@@ -49,15 +52,17 @@ METHODS = {  # name -> engine knobs
 }
 
 
-def run(engine: LLMEngine, prompts, max_tokens: int, temperature: float, batch_size: int) -> tuple[float, int]:
-    """Keep `batch_size` requests in flight until all prompts are done; returns (seconds, tokens)."""
+def run(engine: LLMEngine, prompts, max_tokens: int, temperature: float, batch_size: int,
+        seeded: bool = True) -> tuple[float, int]:
+    """Keep `batch_size` requests in flight until all prompts are done, each seeded (its drafts
+    verified against its keyed samples) or not (rejection sampling); returns (seconds, tokens)."""
     pending = list(prompts)
     in_flight = 0
     tokens = 0
     started = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         while pending and in_flight < batch_size:
-            seed = len(pending)
+            seed = len(pending) if seeded else None
             engine.add_request(pending.pop(), SamplingParams(
                 max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True))
             in_flight += 1
@@ -132,6 +137,9 @@ def main() -> None:
                                                      and knobs["speculative_method"] != "eagle"],
                     choices=list(METHODS),
                     help="the first is the baseline of every ratio")
+    ap.add_argument("--unseeded-too", action="store_true",
+                    help="each method also with unseeded requests (rejection sampling from the engine's stream, "
+                         "where seeded requests verify against their keyed samples), labelled so")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -144,6 +152,8 @@ def main() -> None:
             runs[name if len(args.eagle) == 1 else f"{name} ({head.name})"] = (name, head)
     if args.torch_matmul_too:
         runs |= {f"{label}, torch matmul": method_and_draft for label, method_and_draft in runs.items()}
+    if args.unseeded_too:
+        runs |= {f"{label}, unseeded": method_and_draft for label, method_and_draft in runs.items()}
     labels = list(runs)
     engines = {}
     for label, (name, draft) in runs.items():
@@ -152,7 +162,7 @@ def main() -> None:
             max_num_seqs=max(args.batch_sizes), dtype=args.dtype, draft_dtype=args.draft_dtype,
             kv_cache_memory_bytes=args.kv_cache_mib * 2**20, num_kv_blocks=args.num_kv_blocks,
             async_scheduling=None if args.async_scheduling == "auto" else args.async_scheduling == "on",
-            cpu_weight_copies=not label.endswith(", torch matmul"), **METHODS[name]))
+            cpu_weight_copies=", torch matmul" not in label, **METHODS[name]))
     rows = []
     cases = [(b, t) for b in args.batch_sizes for t in args.temperatures]
     bar = tqdm(total=len(cases) * len(labels) * args.repeats, desc="runs")
@@ -175,9 +185,10 @@ def main() -> None:
                 # a few steps of the same load first: memory the last engine's run left in another
                 # shape is faulted in again here, not in the timed run (it cost the engine that ran
                 # after a different one a few percent)
-                run(engine, prompts[:batch_size], 4, temperature, batch_size)
+                seeded = not name.endswith(", unseeded")
+                run(engine, prompts[:batch_size], 4, temperature, batch_size, seeded)
                 s0, (steps0, full0) = engine.stats(), verification_counts(engine)
-                seconds, tokens = run(engine, prompts, args.max_tokens, temperature, batch_size)
+                seconds, tokens = run(engine, prompts, args.max_tokens, temperature, batch_size, seeded)
                 s1, (steps1, full1) = engine.stats(), verification_counts(engine)
                 spec[name][0] += s1.spec_draft_tokens_total - s0.spec_draft_tokens_total
                 spec[name][1] += s1.spec_accepted_tokens_total - s0.spec_accepted_tokens_total

@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
 
 from backend.core.spec_state import SpecState
 from backend.sampling_params import SamplingParams
@@ -55,7 +54,6 @@ class Request:
     # own next block before its first step reads them (BlockManager.take_copies)
     block_copy: tuple[int, int] | None = None
     num_pending_tokens: int = 0  # sampled on the device, not read back yet (overlapped steps)
-    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     # timestamps (time.monotonic())
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
@@ -70,10 +68,6 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None
     guide: Guide | None = None  # its grammar state, when params.guided_decoding constrains it
-
-    def __post_init__(self) -> None:
-        if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,9 +9,13 @@ Walking i = 1..k:
              norm(max(0, p_i - q_i)), which makes the kept token distributed exactly as p_i;
   bonus:     when all k pass, one more token is drawn from p_{k+1} for free.
 So every step yields between 1 and k+1 tokens and the output follows the target's distribution
-exactly. A request without drafts (k = 0) is the bonus case: one token drawn from p_1. Greedy
-requests keep d_i iff it is the target's argmax, and the recovered or bonus token is the argmax.
+exactly. A request without drafts (k = 0) is the bonus case: one token drawn from p_1.
 A proposer without a distribution (n-gram lookup) is a one-hot q on its token.
+
+Requests whose tokens are decided row by row skip all of that: they keep d_i iff it equals row i's
+token and then take the token of the row where they stopped. A greedy row's token is its argmax;
+a seeded row's is its sample keyed on (seed, output index) (seeded_noise.py), distributed as p_i
+whatever was drafted, so those requests' output is the target's too, and the same for any k.
 """
 from __future__ import annotations
 
@@ -32,8 +36,8 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def rejection_sample(
-    greedy_tokens: torch.Tensor | None,  # [R] int64: each row's argmax (after penalties); None: no greedy request
-    probs: torch.Tensor | None,  # [R, vocab] p of each row; None when every request is greedy
+    decided_tokens: torch.Tensor | None,  # [R] int64: the rows' decided tokens (argmax, keyed sample); None: none
+    probs: torch.Tensor | None,  # [R, vocab] p of each row; None when no request draws from the stream
     draft_probs: torch.Tensor | None,  # [D, vocab] q of each draft token; None: one-hot on it
     meta: SamplingMetadata,
 ) -> torch.Tensor:  # [B, max_k + 1] int64, PLACEHOLDER_TOKEN past each request's last token
@@ -42,24 +46,24 @@ def rejection_sample(
     device = drafts.device
     if max_k == 0:  # no drafts: one row per request, each the bonus case
         if probs is None:
-            return greedy_tokens[:, None]
+            return decided_tokens[:, None]
         sampled = inverse_cdf(probs, meta.uniform_last)
-        return (sampled if greedy_tokens is None else torch.where(meta.greedy, greedy_tokens, sampled))[:, None]
+        return (sampled if decided_tokens is None else torch.where(meta.decided, decided_tokens, sampled))[:, None]
     num_accepted = torch.zeros(num_requests, dtype=torch.int64, device=device)
     if drafts.numel():
         target_rows = meta.first_row[meta.draft_request] + meta.draft_position  # [D]
-        accepted = drafts == greedy_tokens[target_rows] if greedy_tokens is not None else None
+        accepted = drafts == decided_tokens[target_rows] if decided_tokens is not None else None
         if probs is not None:
             p_d = probs[target_rows, drafts]
             q_d = draft_probs.gather(1, drafts[:, None])[:, 0] if draft_probs is not None else torch.ones_like(p_d)
             by_ratio = meta.uniform_drafts * q_d < p_d
-            accepted = by_ratio if accepted is None else torch.where(meta.greedy[meta.draft_request], accepted, by_ratio)
+            accepted = by_ratio if accepted is None else torch.where(meta.decided[meta.draft_request], accepted, by_ratio)
         rejected = torch.zeros(num_requests, max_k, dtype=torch.bool, device=device)
         rejected[meta.draft_request, meta.draft_position] = ~accepted
         # the walk stops at the first rejection, or after all k_b
         num_accepted = torch.where(rejected.any(1), rejected.int().argmax(1), meta.num_drafts_t)
     last_rows = meta.first_row + num_accepted  # [B] the row the last token comes from
-    last = greedy_tokens[last_rows] if greedy_tokens is not None else None
+    last = decided_tokens[last_rows] if decided_tokens is not None else None
     if probs is not None:
         p_last = probs[last_rows]  # [B, vocab]
         dist = p_last
@@ -75,7 +79,7 @@ def rejection_sample(
             # the residual sums to 0 only when p == q, where rejection has probability 0: keep p
             dist = torch.where(total > 0, residual / total.clamp_min(1e-30), p_last)
         sampled = inverse_cdf(dist, meta.uniform_last)
-        last = sampled if last is None else torch.where(meta.greedy, last, sampled)
+        last = sampled if last is None else torch.where(meta.decided, last, sampled)
     token_ids = torch.full((num_requests, max_k + 1), PLACEHOLDER_TOKEN, dtype=torch.int64, device=device)
     if drafts.numel():
         token_ids[meta.draft_request, meta.draft_position] = drafts

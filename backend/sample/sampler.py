@@ -1,8 +1,9 @@
 """Turn a step's logits into tokens, on the logits' device: penalties, temperature, top-k, top-p,
 min-p, seeded draws, and the verification of draft tokens (rejection_sampler.py), in one call.
 
-Rows, draws and per-request faults are laid out by backend/sample/sampling_metadata.py. Sampling is exact:
-inverse-CDF sampling, one uniform draw per token. Nothing here reads back to the host: the engine
+Rows, draws and per-request faults are laid out by backend/sample/sampling_metadata.py. Sampling is
+exact: a seeded row by the exponential race on noise keyed on (seed, output index)
+(seeded_noise.py), an unseeded one by inverse-CDF sampling, one uniform draw per token. Nothing here reads back to the host: the engine
 copies `SamplerOutput` back asynchronously.
 
 Guided decoding: a constrained row's logits are set to -inf where its grammar forbids the token,
@@ -28,6 +29,7 @@ from backend.sample.rejection_sampler import (
     rejection_sample,
 )
 from backend.sample.sampling_metadata import SamplingMetadata
+from backend.sample.seeded_noise import keyed_sample
 from backend.uploads import on_device
 
 
@@ -122,8 +124,12 @@ class Sampler:
         raw = logits.clone() if meta.logprob_rows else None
         x = apply_penalties(logits, meta)
         probs = None if meta.all_greedy else probs_from_logits(x, meta)
-        greedy_tokens = x.argmax(-1) if meta.any_greedy else None  # [R]
-        token_ids = rejection_sample(greedy_tokens, probs, draft_probs, meta)
+        decided = x.argmax(-1) if meta.any_greedy else None  # [R] greedy rows' tokens ...
+        if meta.seeded_rows is not None:  # ... and seeded rows' (seeded_noise.py)
+            keyed = keyed_sample(probs.index_select(0, meta.seeded_rows), meta.seeded_keys)
+            decided = (decided if decided is not None else keyed.new_zeros(x.shape[0])).index_copy(
+                0, meta.seeded_rows, keyed)
+        token_ids = rejection_sample(decided, probs if meta.any_drawn else None, draft_probs, meta)
         logprobs = None
         if raw is not None:
             rows = on_device(meta.logprob_rows, raw.device, torch.int64)

@@ -3,9 +3,14 @@
 The step samples for B requests. Request b has 1 + k_b consecutive rows of logits: its last
 token's, then one per draft token to verify (k_b = 0 when it does not speculate); R rows in all,
 D = sum k_b draft tokens. Row i of request b sees the draft tokens before it as output (penalties,
-min_tokens). Uniform draws are made here, from the request's own generator when it has a seed (k_b
-for its draft tokens, then one for its last token, in that order) and from the engine's otherwise,
-so a seeded request's tokens do not depend on its batch-mates. Greedy requests draw nothing.
+min_tokens).
+
+A row's token is either decided by the row alone or drawn from the engine's stream. Decided: a
+greedy row takes its argmax, a seeded row its sample keyed on (seed, output index)
+(seeded_noise.py); a draft is kept iff it equals that token, so a seeded request's tokens depend
+on its seed and its own context only, not on its batch-mates, what was drafted or k. Drawn: an
+unseeded sampled request takes k_b + 1 uniforms from the engine's generator, for rejection
+sampling (rejection_sampler.py).
 
 A constrained request (guided decoding) gets its rows' allowed-token bitmasks from its grammar
 state (backend/core/guide.py): `grammar_bitmask` [R, ceil(vocab / 32)] int32 and the rows it
@@ -26,6 +31,7 @@ import xgrammar
 from backend.core.guide import Guide, fill_masks
 from backend.core.request import Request
 from backend.errors import is_fatal
+from backend.sample.seeded_noise import row_keys, seed_key
 from backend.uploads import on_device
 
 
@@ -68,9 +74,11 @@ class SamplingMetadata:
     max_logprobs: int  # the largest top-n asked for
     all_greedy: bool
     any_greedy: bool
+    any_drawn: bool  # some request draws from the engine's stream (sampled, unseeded)
     max_k: int
     # on the device
     greedy: torch.Tensor  # [B] bool
+    decided: torch.Tensor  # [B] bool: greedy or seeded, its rows' tokens decided row by row
     first_row: torch.Tensor  # [B] int64: request b's rows are first_row[b] .. first_row[b] + k_b
     num_drafts_t: torch.Tensor  # [B] int64
     draft_offset: torch.Tensor  # [B] int64: request b's first draft token in the flat drafts
@@ -87,6 +95,8 @@ class SamplingMetadata:
     banned_tokens: torch.Tensor | None
     uniform_drafts: torch.Tensor  # [D] float32: accept draft token j when u_j q(d_j) < p(d_j)
     uniform_last: torch.Tensor  # [B] float32: draws the recovered or bonus token
+    seeded_rows: torch.Tensor | None  # [S] int64: the rows of seeded sampled requests; None: none
+    seeded_keys: torch.Tensor | None  # [S] int64: their noise keys (seed, output index)
     grammar_bitmask: torch.Tensor | None = None  # [R, ceil(vocab / 32)] int32: allowed tokens, 1 bits
     grammar_rows: list[int] | None = None  # the rows it applies to; None: every row (or none, without a bitmask)
 
@@ -109,6 +119,9 @@ def build_sampling_metadata(
     generator: torch.Generator,  # the engine's, for requests without a seed
     device: torch.device,
     constrain: bool = True,  # apply the requests' grammars (the target's rows; not the draft's)
+    ahead: list[int] | None = None,  # per request: tokens past its known ones its first row samples
+    position_offsets: torch.Tensor | None = None,  # [B] on the device: added to those (tokens the
+    # host does not know of yet, overlapped steps)
 ) -> SamplingMetadata:
     num_drafts = [len(d) for d in drafts]
     max_k = max(num_drafts, default=0)
@@ -116,7 +129,7 @@ def build_sampling_metadata(
     if max_k == 0 and not constrained and all(_plain_greedy(r) for r in requests):
         return _plain_greedy_metadata(requests, device)
     errors: dict[str, Exception] = {}
-    temperature, top_k, top_p, min_p, greedy = [], [], [], [], []
+    temperature, top_k, top_p, min_p, greedy, decided = [], [], [], [], [], []
     rep, freq, pres = [], [], []
     out_rows, out_tokens, prompt_rows, prompt_tokens, banned_rows, banned_tokens = [], [], [], [], [], []
     logprob_rows, max_logprobs = [], 0
@@ -125,8 +138,8 @@ def build_sampling_metadata(
     bitmask = xgrammar.allocate_token_bitmask(num_rows, vocab_size) if constrained else None
     grammar_rows: list[int] = []
     guided: list[tuple[Guide, int, list[int]]] = []  # (guide, first row, drafts) of each constrained request
-    seeded_draws: list[tuple[int, torch.Tensor]] = []  # (request index, its k + 1 uniforms)
     unseeded: list[int] = []  # request indices drawing from the engine's generator
+    seeded_rows, seed_keys, output_index, seeded_request = [], [], [], []  # per row of a seeded request
     row = 0
     for b, (request, draft) in enumerate(zip(requests, drafts)):
         k = len(draft)
@@ -180,36 +193,39 @@ def build_sampling_metadata(
             freq.append(penalties[1])
             pres.append(penalties[2])
         greedy.append(rows.greedy)
-        if not rows.greedy:
-            if request.generator is not None:
-                seeded_draws.append((b, torch.rand(k + 1, generator=request.generator)))
-            else:
-                unseeded.append(b)
+        keyed = not rows.greedy and p.seed is not None
+        decided.append(rows.greedy or keyed)
+        if keyed:
+            first = request.num_output_tokens + request.num_pending_tokens + (ahead[b] if ahead else 0)
+            seeded_rows += range(row, row + k + 1)
+            seed_keys += [seed_key(p.seed)] * (k + 1)
+            output_index += range(first, first + k + 1)
+            seeded_request += [b] * (k + 1)
+        elif not rows.greedy:
+            unseeded.append(b)
         row += k + 1
     if guided:
         fill_masks(bitmask, guided)
-    # the draws: k_b for the draft tokens, then the last token's, per sampled request
+    # the engine's draws: k_b for the draft tokens, then the last token's, per unseeded sampled request
     uniform_drafts = torch.zeros(len(draft_request))
     uniform_last = torch.zeros(len(requests))
     pooled = torch.rand(sum(num_drafts[b] + 1 for b in unseeded), generator=generator)
     at = 0
     for b in unseeded:
         k = num_drafts[b]
-        seeded_draws.append((b, pooled[at : at + k + 1]))
+        uniform_drafts[draft_offsets[b] : draft_offsets[b] + k] = pooled[at : at + k]
+        uniform_last[b] = pooled[at + k]
         at += k + 1
-    for b, u in seeded_draws:
-        k = num_drafts[b]
-        uniform_drafts[draft_offsets[b] : draft_offsets[b] + k] = u[:k]
-        uniform_last[b] = u[k]
 
     filters_top = any(k < vocab_size for k in top_k) or any(t < 1.0 for t in top_p)
     has_penalties = any(r != 1.0 for r in rep) or any(freq) or any(pres)
     # every list goes up in one copy per dtype; the fields are views of it
     ints = _Packed(torch.int64)
     floats = _Packed(torch.float32)
-    i_greedy, i_first, i_k, i_offset, i_drafts, i_request, i_position, i_slot = (
-        ints.add(v) for v in (greedy, first_rows, num_drafts, draft_offsets, [t for d in drafts for t in d],
+    i_greedy, i_decided, i_first, i_k, i_offset, i_drafts, i_request, i_position, i_slot = (
+        ints.add(v) for v in (greedy, decided, first_rows, num_drafts, draft_offsets, [t for d in drafts for t in d],
                               draft_request, draft_position, row_slot))
+    i_seeded = [ints.add(v) for v in (seeded_rows, seed_keys, output_index, seeded_request)] if seeded_rows else None
     i_top_k = ints.add(top_k) if filters_top else None
     i_penalty_lists = [ints.add(v) for v in (out_rows, out_tokens, prompt_rows, prompt_tokens)] if has_penalties else None
     i_banned = [ints.add(banned_rows), ints.add(banned_tokens)] if banned_rows else None
@@ -218,6 +234,12 @@ def build_sampling_metadata(
     f_min_p = floats.add(min_p) if any(m > 0 for m in min_p) else None
     f_penalties = [floats.add(v) for v in (rep, freq, pres)] if has_penalties else None
     ints_t, floats_t = ints.upload(device), floats.upload(device)
+    seeded_keys = None
+    if i_seeded is not None:
+        output_index_t = ints_t[i_seeded[2]]
+        if position_offsets is not None:
+            output_index_t = output_index_t + position_offsets[ints_t[i_seeded[3]]]
+        seeded_keys = row_keys(ints_t[i_seeded[1]], output_index_t)
     return SamplingMetadata(
         requests=requests,
         num_drafts=num_drafts,
@@ -226,8 +248,10 @@ def build_sampling_metadata(
         max_logprobs=max_logprobs,
         all_greedy=all(greedy),
         any_greedy=any(greedy),
+        any_drawn=bool(unseeded),
         max_k=max_k,
         greedy=ints_t[i_greedy] != 0,
+        decided=ints_t[i_decided] != 0,
         first_row=ints_t[i_first],
         num_drafts_t=ints_t[i_k],
         draft_offset=ints_t[i_offset],
@@ -246,6 +270,8 @@ def build_sampling_metadata(
         banned_tokens=ints_t[i_banned[1]] if i_banned else None,
         uniform_drafts=floats_t[f_u_drafts],
         uniform_last=floats_t[f_u_last],
+        seeded_rows=ints_t[i_seeded[0]] if i_seeded is not None else None,
+        seeded_keys=seeded_keys,
         grammar_bitmask=on_device(bitmask, device, torch.int32) if grammar_rows else None,
         grammar_rows=None if len(grammar_rows) == num_rows else grammar_rows,
     )
@@ -266,10 +292,12 @@ def _plain_greedy_metadata(requests: list[Request], device: torch.device) -> Sam
     none = torch.zeros(0, dtype=torch.int64, device=device)
     return SamplingMetadata(
         requests=requests, num_drafts=[0] * n, errors={}, logprob_rows=[], max_logprobs=0,
-        all_greedy=True, any_greedy=n > 0, max_k=0,
-        greedy=torch.ones(n, dtype=torch.bool, device=device), first_row=rows, num_drafts_t=torch.zeros_like(rows),
+        all_greedy=True, any_greedy=n > 0, any_drawn=False, max_k=0,
+        greedy=torch.ones(n, dtype=torch.bool, device=device), decided=torch.ones(n, dtype=torch.bool, device=device),
+        first_row=rows, num_drafts_t=torch.zeros_like(rows),
         draft_offset=torch.zeros_like(rows), draft_token_ids=none, draft_request=none, draft_position=none,
         row_slot=rows, temperature=torch.ones(n, device=device), top_k=None, top_p=None, min_p=None,
         penalties=None, banned_rows=None, banned_tokens=None,
         uniform_drafts=torch.zeros(0, device=device), uniform_last=torch.zeros(n, device=device),
+        seeded_rows=None, seeded_keys=None,
     )

@@ -87,23 +87,29 @@ class DraftProposer:
                                                             len(step.token_ids))
             logits = self.full_vocabulary(self.runner.run(step))
             if active:
-                previous, previous_active = self.draw(requests, active, logits, drawn, probs), active
+                offsets = step.position_offsets[: len(active)] if step.position_offsets is not None else None
+                previous, previous_active = self.draw(requests, active, logits, drawn, probs, j, offsets), active
             if timer is not None:
                 timer.span("draft", (j, sum(len(t) for t in step.token_ids), len(active)), started)
         return self.proposals(requests, ks, drawn, probs, row_of)
 
     def draw(self, requests: list[Request], active: list[int], logits: torch.Tensor,
-             drawn: list[list[torch.Tensor]], probs: list[list[torch.Tensor]]) -> torch.Tensor:
-        """Sample one draft token for each request[i], i in `active` (logits row by row), through the
-        engine's sampler; appends it to drawn[i] and its distribution to probs[i]. Returns the tokens."""
+             drawn: list[list[torch.Tensor]], probs: list[list[torch.Tensor]], j: int,
+             position_offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """Sample draft token j for each request[i], i in `active` (logits row by row), through the
+        engine's sampler; appends it to drawn[i] and its distribution to probs[i]. Returns the tokens.
+        A seeded request draws with the noise the target will verify it with at that output index
+        (position_offsets [len(active)]: the tokens still on the device, overlapped steps)."""
         drafting = [requests[i] for i in active]
         meta = build_sampling_metadata(drafting, [[] for _ in active], self.vocab_size, self.sampler.generator,
-                                       logits.device, constrain=False)  # drafts are verified against the grammar
+                                       logits.device, constrain=False,  # drafts are verified against the grammar
+                                       ahead=[j] * len(active), position_offsets=position_offsets)
         out = self.sampler(logits, meta)
         tokens = out.token_ids[:, 0]
         for row, i in enumerate(active):
             drawn[i].append(tokens[row : row + 1])
-            if not requests[i].params.greedy:  # a greedy verification compares argmaxes only
+            p = requests[i].params
+            if not p.greedy and p.seed is None:  # greedy and seeded verifications compare tokens only
                 probs[i].append(out.probs[row])
         return tokens
 

@@ -73,7 +73,7 @@ class EagleProposer(DraftProposer):
                 features = hidden[rows]
             logits, f_hat = self.runner.run(step, features)
             if active:
-                previous = self.draw(requests, active, self.full_vocabulary(logits), drawn, probs)
+                previous = self.draw(requests, active, self.full_vocabulary(logits), drawn, probs, j)
                 hidden, previous_active = f_hat, active
             if timer is not None:
                 timer.span("draft", (j, sum(len(t) for t in step.token_ids), len(active)), started)

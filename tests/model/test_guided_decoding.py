@@ -255,3 +255,19 @@ def test_a_constraint_compiles_in_the_submitting_thread_not_in_a_step():
     loop.submit([5, 6], SamplingParams(max_tokens=40, guided_decoding={"json": SCHEMAS[1]}), outputs.append)
     loop.shutdown()
     assert eng.grammars.misses == 1 and eng.grammars.hits >= 2
+
+
+def test_seeded_constrained_output_is_the_same_with_the_tiny_draft_and_overlapped_steps():
+    """A seed fixes a constrained sampled text too: the same with plain steps, the draft at k = 3
+    and adaptive k, and overlapped steps."""
+    variants = [{}, dict(speculative_method="draft", draft_model=str(PAIR / "draft"), adaptive_speculation=False,
+                         num_speculative_tokens=3),
+                dict(speculative_method="draft", draft_model=str(PAIR / "draft")), dict(async_scheduling=True)]
+    results = []
+    for knobs in variants:
+        eng = engine(PAIR / "target", **knobs)
+        prompt = eng.tokenizer("def main():\n    ").input_ids
+        results.append(run(eng, [(prompt, SamplingParams(max_tokens=200, temperature=1.0, seed=100 + i,
+                                                         guided_decoding=GUIDES[i % 4])) for i in range(8)]))
+    assert all(r == results[0] for r in results[1:])
+    assert len({text for text, _, _ in results[0]}) > 4

@@ -15,7 +15,7 @@ from backend.core.request import Request
 from backend.engine import LLMEngine
 from backend.errors import ValidationError
 from backend.model.model_loader import DRAFT_VOCAB_FILE, EMBEDDINGS
-from backend.sample.sampler import PLACEHOLDER_TOKEN, Sampler
+from backend.sample.sampler import PLACEHOLDER_TOKEN, Sampler, probs_from_logits
 from backend.sample.sampling_metadata import build_sampling_metadata
 from backend.sampling_params import SamplingParams
 from tests.conftest import write_tiny_model
@@ -173,88 +173,123 @@ def _verify(requests, drafts, qs, p, gen) -> list[list[int]]:
     return [[t for t in row if t != PLACEHOLDER_TOKEN] for row in out]
 
 
-def _lossless(d, q, p, req, gen) -> list[int]:
-    return _verify([req], [d], [q], p, gen)[0]
+def _lossless(trials, gen) -> list[list[int]]:
+    """trials: (drafts, q [k, vocab], p [k + 1, vocab], request) each; verified in one step."""
+    return _verify([t[3] for t in trials], [t[0] for t in trials], [t[1] for t in trials],
+                   torch.cat([t[2] for t in trials]), gen)
 
 
-def _lossless_among_others(d, q, p, req, gen) -> list[int]:
-    """The same verification inside a batch: a greedy request before it and a sampled one with a
+def _lossless_among_others(trials, gen) -> list[list[int]]:
+    """The same verification inside a batch: a greedy request before each and a sampled one with a
     one-hot (n-gram) proposal after it, their rows around its own."""
-    greedy = Request("g", [0], SamplingParams(temperature=0.0))
-    other = Request("o", [0], SamplingParams(temperature=1.0, seed=99))
-    target = torch.cat([P_TABLE[[VOCAB, 1]], p, P_TABLE[[2, 3, 4]]])
     one_hot = torch.nn.functional.one_hot(torch.tensor([0, 5, 1]), VOCAB).float()
-    tokens = _verify([greedy, req, other], [[0], d, [5, 1]], [one_hot[:1], q, one_hot[1:]], target, gen)
-    assert tokens[0][-1] == int(P_TABLE[VOCAB].argmax()) or len(tokens[0]) == 2
-    return tokens[1]
+    requests, drafts, qs, target = [], [], [], []
+    for i, (d, q, p, req) in enumerate(trials):
+        requests += [Request(f"g{i}", [0], SamplingParams(temperature=0.0)), req,
+                     Request(f"o{i}", [0], SamplingParams(temperature=1.0, seed=99))]
+        drafts += [[0], d, [5, 1]]
+        qs += [one_hot[:1], q, one_hot[1:]]
+        target += [P_TABLE[[VOCAB, 1]], p, P_TABLE[[2, 3, 4]]]
+    tokens = _verify(requests, drafts, qs, torch.cat(target), gen)
+    assert all(t[-1] == int(P_TABLE[VOCAB].argmax()) or len(t) == 2 for t in tokens[0::3])
+    return tokens[1::3]
 
 
-def _accept_all(d, q, p, req, gen) -> list[int]:
-    return d  # a wrong verifier: keeps every draft token
+def _accept_all(trials, gen) -> list[list[int]]:
+    return [list(t[0]) for t in trials]  # a wrong verifier: keeps every draft token
 
 
-def _joint_first_two(rule, trials: int, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """Histogram of the first two generated tokens over seeded runs of one speculative step
-    (k = 2 draft tokens from q); when the step yields one token, the second is sampled from p
-    as the next step would. Returns observed counts and the target's expected counts."""
-    counts = torch.zeros(VOCAB * VOCAB)
-    gen = torch.Generator().manual_seed(1)
+def _joint_first_two(rule, trials: int, seeded: bool, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Histogram of the first two generated tokens over runs of one speculative step (k = 2
+    draft tokens from q), seeded (seed t in run t: the keyed draws) or not (the engine's
+    stream); when the step yields one token, the second is sampled from p as the next step
+    would. Returns observed counts and the target's expected counts."""
+    gen, draft_gen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    runs = []
     for t in range(trials):
-        req = Request("r", [0], SamplingParams(temperature=1.0, seed=t))
+        req = Request(f"r{t}", [0], SamplingParams(temperature=1.0, seed=t if seeded else None))
         d, qs, prev = [], [], VOCAB
         for _ in range(k):
             q = Q_TABLE[prev]
-            d.append(int(torch.multinomial(q, 1, generator=req.generator)))
+            d.append(int(torch.multinomial(q, 1, generator=draft_gen)))
             qs.append(q)
             prev = d[-1]
-        p = torch.stack([P_TABLE[c] for c in [VOCAB] + d])  # [k + 1, vocab]
-        tokens = rule(d, torch.stack(qs), p, req, gen)
+        runs.append((d, torch.stack(qs), torch.stack([P_TABLE[c] for c in [VOCAB] + d]), req))
+    counts = torch.zeros(VOCAB * VOCAB)
+    for tokens in rule(runs, gen):
         if len(tokens) == 1:
-            tokens.append(int(torch.multinomial(P_TABLE[tokens[0]], 1, generator=req.generator)))
+            tokens.append(int(torch.multinomial(P_TABLE[tokens[0]], 1, generator=draft_gen)))
         counts[tokens[0] * VOCAB + tokens[1]] += 1
     expected = (P_TABLE[VOCAB][:, None] * P_TABLE[:VOCAB]).flatten() * trials
     return counts, expected
 
 
-def _chi_square_p(rule, trials: int = 6000) -> float:
-    counts, expected = _joint_first_two(rule, trials)
+def _chi_square_p(rule, seeded: bool, trials: int = 6000) -> float:
+    counts, expected = _joint_first_two(rule, trials, seeded)
     keep = expected > 5
     obs, exp = counts[keep].double(), expected[keep].double()  # (chisquare checks the sums agree to 1.5e-8)
     return float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
 
 
-def test_rejection_sampling_is_lossless_and_a_biased_rule_fails():
-    assert _chi_square_p(_lossless) > 0.001
-    assert _chi_square_p(_lossless_among_others) > 0.001
-    assert _chi_square_p(_accept_all) < 1e-6
+@pytest.mark.parametrize("seeded", [False, True])
+def test_verification_is_lossless_and_a_biased_rule_fails(seeded):
+    """Rejection sampling (unseeded) and keyed verification (seeded) both keep the target's joint
+    distribution of the first two tokens, alone and among other requests."""
+    assert _chi_square_p(_lossless, seeded) > 0.001
+    assert _chi_square_p(_lossless_among_others, seeded) > 0.001
+    assert _chi_square_p(_accept_all, seeded) < 1e-6
 
 
-@pytest.mark.parametrize("async_scheduling, reduced", [(False, False), (True, False), (False, True)])
-def test_engine_sampling_matches_target_distribution(tmp_path, async_scheduling, reduced):
+FILTERED = dict(temperature=0.7, top_p=0.9, top_k=6, min_p=0.05)  # on a less peaked target (below)
+FILTERED_T1 = dict(temperature=1.0, top_p=0.9, top_k=5, min_p=0.05)
+
+
+@pytest.mark.parametrize("method, async_scheduling, reduced, sampling", [
+    ("draft", False, False, dict(seed=True)),
+    ("draft", True, False, dict(seed=True)),
+    ("draft", False, True, dict(seed=True)),
+    ("draft", False, False, dict(seed=False)),
+    ("draft", False, False, dict(seed=True, **FILTERED)),
+    ("draft", True, False, dict(seed=False, **FILTERED)),
+    ("ngram", False, False, dict(seed=True, **FILTERED_T1)),
+    ("ngram", False, False, dict(seed=False)),
+])
+def test_engine_sampling_matches_target_distribution(tmp_path, method, async_scheduling, reduced, sampling):
     """End to end: with a poor draft, the 2nd and 3rd generated tokens (the ones speculation
     produces) follow the target's exact marginals, computed from HF by enumeration; with
-    overlapped steps too (drafts proposed from tokens the host has not seen yet), and with a
-    draft whose vocabulary is 5 of the 8 tokens (q is 0 outside them)."""
+    overlapped steps too (drafts proposed from tokens the host has not seen yet), with a draft
+    whose vocabulary is 5 of the 8 tokens (q is 0 outside them), and with n-gram lookup (one-hot
+    drafts); seeded (keyed draws) and not (rejection sampling), at T = 1 and filtered at T = 0.7."""
     vocab, trials, prompt = 8, 800, [3, 5, 4]
-    sharp = dict(vocab_size=vocab, initializer_range=0.6)  # peaked, unlike a near-uniform random init
+    # peaked, unlike a near-uniform random init; less so where the filters would leave one token,
+    # and for the lookup, whose drafts this target then both keeps and rejects
+    init = 0.4 if method == "ngram" else 0.3 if sampling.get("temperature") == 0.7 else 0.6
+    sharp = dict(vocab_size=vocab, initializer_range=init)
     target = write_tiny_model(tmp_path / "t", "llama", seed=11, **sharp)
-    draft = write_tiny_model(tmp_path / "d", "llama", seed=12, hidden_size=32, num_hidden_layers=1, **sharp)
-    if reduced:
-        draft = reduce_draft_vocabulary(draft, tmp_path / "reduced", [0, 2, 3, 5, 6], drop_embeddings=False)
-    engine = spec_engine(target, draft, adaptive_speculation=False, num_speculative_tokens=2,
-                         async_scheduling=async_scheduling)
-    assert_speculation_follows_target(engine, target, prompt, vocab, trials)
+    if method == "ngram":  # a prompt that repeats, so that the lookup proposes
+        prompt = [7, 3, 7, 3, 7, 3]
+        engine = spec_engine(target, method="ngram", adaptive_speculation=False, num_speculative_tokens=2)
+    else:
+        draft = write_tiny_model(tmp_path / "d", "llama", seed=12, hidden_size=32, num_hidden_layers=1, **sharp)
+        if reduced:
+            draft = reduce_draft_vocabulary(draft, tmp_path / "reduced", [0, 2, 3, 5, 6], drop_embeddings=False)
+        engine = spec_engine(target, draft, adaptive_speculation=False, num_speculative_tokens=2,
+                             async_scheduling=async_scheduling)
+    assert_speculation_follows_target(engine, target, prompt, vocab, trials, **sampling)
 
 
-def exact_marginals(target: Path, prompt: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's exact distributions of the 2nd and 3rd sampled tokens (T = 1), by enumeration in HF."""
+def exact_marginals(target: Path, prompt: list[int], vocab: int, **knobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's exact distributions of the 2nd and 3rd sampled tokens, by enumeration in HF,
+    each next-token distribution filtered by the sampling knobs (temperature, top-k/p, min-p)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    request = Request("exact", [0], SamplingParams(**knobs))
+    meta = build_sampling_metadata([request], [[]], vocab, torch.Generator(), torch.device("cpu"))
 
     def next_probs(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return torch.softmax(hf(torch.tensor([ids])).logits[0, -1], -1)
+            return probs_from_logits(hf(torch.tensor([ids])).logits[:, -1].float(), meta)[0]
 
     p1 = next_probs(prompt)
     p2, p3 = torch.zeros(vocab), torch.zeros(vocab)
@@ -267,22 +302,25 @@ def exact_marginals(target: Path, prompt: list[int], vocab: int) -> tuple[torch.
 
 
 def assert_speculation_follows_target(engine: LLMEngine, target: Path, prompt: list[int], vocab: int,
-                                     trials: int) -> None:
-    """`trials` seeded requests of 3 tokens at T = 1: drafts were both accepted and rejected, and
-    the 2nd and 3rd tokens pass a chi-square test against the target's exact marginals."""
+                                     trials: int, seed: bool = True, **knobs) -> None:
+    """`trials` requests of 3 tokens (seeded with seeds 0 .. trials - 1, or drawing from the
+    engine's stream; T = 1 unless `knobs` say otherwise): drafts were both accepted and rejected,
+    and the 2nd and 3rd tokens pass a chi-square test against the target's exact marginals."""
+    knobs = {"temperature": 1.0, **knobs}
     for t in range(trials):
-        engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=t, ignore_eos=True))
+        engine.add_request(prompt, SamplingParams(max_tokens=3, seed=t if seed else None, ignore_eos=True, **knobs))
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
     stats = engine.stats()
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
-    for position, expected in zip((1, 2), exact_marginals(target, prompt, vocab)):
+    for position, expected in zip((1, 2), exact_marginals(target, prompt, vocab, **knobs)):
         counts = torch.bincount(torch.tensor([t[position] for t in tokens.values()]), minlength=vocab).float()
         keep = expected * trials > 5
         exp = expected[keep].double() * trials  # (in float64: chisquare checks the sums agree to 1.5e-8)
         obs = counts[keep].double()
+        assert keep.sum() >= 3  # the test has something to test
         assert chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue > 0.001
 
 
