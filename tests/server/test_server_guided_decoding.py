@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from client.stream import GenerationError, complete
 from tests.server.conftest import DEFAULT_MODEL, openai_server
-from tests.server.test_server_trtllm_clients import _inputs, _run
+from tests.server.test_server_trtllm_clients import _inputs, run_ensemble
 
 pytestmark = pytest.mark.server
 
@@ -72,12 +72,12 @@ def json_object_or_its_head(text: str, tokenizer_dir) -> bool:
     ("ebnf_grammar", 'root ::= "n = " [1-9] [0-9]{0,3}', lambda t, _: re.fullmatch(r"n = [1-9][0-9]{0,3}", t)),
 ])
 def test_tensorrt_llm_guided_decoding_on_the_ensemble(server, guide_type, guide, check):
-    extra = {"guided_decoding_guide_type": np.array([[guide_type]], dtype=object),
-             "exclude_input_in_output": np.array([[True]])}
+    extra = {"guided_decoding_guide_type": np.array([[guide_type]], dtype=object)}
     if guide:
         extra["guided_decoding_guide"] = np.array([[guide]], dtype=object)
     for seed in range(4):
-        [result] = _run(server, _inputs(False, output_len=150, random_seed=np.array([[seed]], dtype=np.uint64), **extra))
+        [result] = run_ensemble(server, _inputs(False, output_len=150, exclude_input_in_output=True,
+                                                random_seed=np.array([[seed]], dtype=np.uint64), **extra))
         assert not isinstance(result, InferenceServerException), result
         assert check(result.as_numpy("text_output")[0].decode("utf-8"), server.model_dir), seed
 
@@ -92,9 +92,8 @@ def test_a_json_objects_head_is_told_from_invalid_text(server):
 def test_tensorrt_llm_streaming_with_exclude_input_in_output_false_streams_the_new_tokens(server):
     """end_to_end_grpc_client.py -S sends exclude_input_in_output false; TensorRT-LLM streams
     the new tokens."""
-    greedy = {"top_k": np.array([[1]], dtype=np.int32), "random_seed": np.array([[5]], dtype=np.uint64),
-              "exclude_input_in_output": np.array([[False]])}
-    results = _run(server, _inputs(True, **greedy))
+    greedy = {"top_k": np.array([[1]], dtype=np.int32), "random_seed": np.array([[5]], dtype=np.uint64)}
+    results = run_ensemble(server, _inputs(True, exclude_input_in_output=False, **greedy))
     assert not [r for r in results if isinstance(r, InferenceServerException)]
     streamed = "".join(r.as_numpy("text_output")[0].decode("utf-8") for r in results)
     assert streamed == complete(server.grpc_url, "def fibonacci(n):", max_tokens=12, top_k=1, seed=5).text
@@ -129,7 +128,7 @@ def test_a_bad_constraint_is_invalid_arg_naming_the_field(server, name):
     ({"guided_decoding_guide_type": "regex", "guided_decoding_guide": "[a-"}, "guided_decoding"),
 ])
 def test_a_bad_tensorrt_llm_guide_is_refused_by_name(server, extra, field):
-    [error] = _run(server, _inputs(False, **{k: np.array([[v]], dtype=object) for k, v in extra.items()}))
+    [error] = run_ensemble(server, _inputs(False, **{k: np.array([[v]], dtype=object) for k, v in extra.items()}))
     assert isinstance(error, InferenceServerException) and f"{field}: " in error.message()
 
 
