@@ -17,7 +17,8 @@ the first would otherwise start a step alone and the others wait for it to end; 
 other processes share the engine's cores (a CPU), the wait also leaves those cores to the requests
 still on their way through them. A lone request pays one batch_wait_ms.
 
-Faults: the engine fails a request alone when the fault is its own (see LLMEngine._fail). If a
+Faults: the engine fails a request alone when the fault is its own (a request's rows that cannot
+be built, its grammar or its detokenizer: sampling_metadata.py, output_processor.py). If a
 step raises anyway, every request in flight ends with INTERNAL_ERROR and the loop keeps serving;
 if the error is fatal (a CUDA error: the device's state is lost), every request ends with
 ENGINE_DEAD, the loop is `dead` and refuses new requests at once (EngineDeadError).
@@ -33,6 +34,7 @@ from typing import Callable
 
 from backend.device import bind_device
 from backend.engine import LLMEngine
+from backend.engine_driver import OutputCallback
 from backend.errors import (
     ENGINE_DEAD,
     INTERNAL_ERROR,
@@ -40,15 +42,16 @@ from backend.errors import (
     ValidationError,
     is_fatal,
 )
-from backend.outputs import RequestOutput
+from backend.outputs import EngineStats, RequestOutput
 from backend.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 BATCH_WAITS = 8  # an idle engine's wait for a burst: at most this many times batch_wait_ms
-OutputCallback = Callable[[RequestOutput], None]
 
 
 class EngineLoop:
+    """An EngineDriver (backend/engine_driver.py) over an LLMEngine on a thread of this process."""
+
     def __init__(self, engine: LLMEngine | None):
         self.engine = engine  # None only until build() has built it
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -84,6 +87,13 @@ class EngineLoop:
         if failure:
             raise failure[0]
         return loop
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     def start(self) -> None:
         """Starts the engine thread (a loop from `build` runs already)."""

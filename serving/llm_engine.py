@@ -49,6 +49,7 @@ import triton_python_backend_utils as pb_utils
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.process.engine_core_client import EngineCoreClient
+from backend.engine_driver import EngineDriver
 from backend.engine_loop import EngineLoop
 from backend.errors import (
     INTERNAL_ERROR,
@@ -138,6 +139,7 @@ class TritonPythonModel:
         fault_hook = fault_hook_from_env(os.environ.get("SPECSERVE_FAULT_INJECTION"))
         if fault_hook is not None:
             pb_utils.Logger.log_warn("llm_engine: test fault injection is on (SPECSERVE_FAULT_INJECTION)")
+        self.loop: EngineDriver  # the only way this model reaches its engine
         if engine_process:  # the engine core reads SPECSERVE_FAULT_INJECTION itself
             self.loop = EngineCoreClient(config)
         else:
@@ -168,8 +170,8 @@ class TritonPythonModel:
         self.sender.start()
         self.aborts = AbortListener(self.model_name, self.instance_name, self._abort_by_triton_id)
         pb_utils.Logger.log_info(
-            f"llm_engine: ready, max_model_len {self.loop.engine.max_model_len}, "
-            f"{self.loop.engine.stats().num_total_blocks} KV blocks"
+            f"llm_engine: ready, max_model_len {self.loop.max_model_len}, "
+            f"{self.loop.stats().num_total_blocks} KV blocks"
         )
 
     # -- Triton's thread: hand off, then wait only for room (max_pending_requests) ----------------
@@ -256,7 +258,7 @@ class TritonPythonModel:
                 if now >= next_poll:
                     next_poll = now + POLL_INTERVAL_S
                     self._check_cancelled()
-                    self.metrics.refresh(self.loop.engine.stats())
+                    self.metrics.refresh(self.loop.stats())
                     self._replace_stuck_lanes(now)
                     if self.loop.dead and not self.unloading:
                         self._unload()
@@ -347,7 +349,7 @@ class TritonPythonModel:
         if output.finished:
             del self.requests[output.request_id]
             self.metrics.request_finished(output.finish_reason or "error", now - state.arrival, output.queue_seconds)
-            self.metrics.refresh(self.loop.engine.stats())
+            self.metrics.refresh(self.loop.stats())
         if output.logprobs:
             state.logprobs.extend(output.logprobs)
         state.unsent_tokens += len(output.token_ids)

@@ -124,6 +124,12 @@ class Executor(Protocol):
     def capture_graphs(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
         """Capture CUDA graphs of uniform steps (every rank of a tensor-parallel stage does the same)."""
 
+    def compile_decode(self) -> None:
+        """Compile decode steps (torch.compile, CPU)."""
+
+    def compile_prefill(self) -> None:
+        """Compile prompt and verification steps (torch.compile, CPU)."""
+
 
 @dataclass(slots=True)
 class _FlatInputs:

@@ -150,16 +150,31 @@ class WorkerGroup:
                 worker.wait()
 
 
-class TensorParallelExecutor:
-    """Rank 0's ModelRunner under tensor parallelism alone: each step is broadcast to the
-    workers, then run here too."""
+class _RankZeroExecutor:
+    """What both executors hand to rank 0's own runner (`runner`, where its KV caches and graphs
+    are): graph capture, compilation and their counters."""
 
     def __init__(self, runner: ModelRunner, group: WorkerGroup):
-        self.runner = runner
+        self.runner = runner  # rank 0's
         self.group = group
 
-    def __getattr__(self, name: str):  # kv_caches, graphs, ...: the wrapped runner's
-        return getattr(self.runner, name)
+    @property
+    def graph_replays(self) -> int:
+        return self.runner.graph_replays
+
+    def capture_graphs(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,)) -> None:
+        self.runner.capture_graphs(max_batch_size, max_model_len, query_lens)
+
+    def compile_decode(self) -> None:
+        self.runner.compile_decode()
+
+    def compile_prefill(self) -> None:
+        self.runner.compile_prefill()
+
+
+class TensorParallelExecutor(_RankZeroExecutor):
+    """Rank 0's ModelRunner under tensor parallelism alone: each step is broadcast to the
+    workers, then run here too."""
 
     def run(self, step: StepInput) -> torch.Tensor:
         try:
@@ -171,18 +186,14 @@ class TensorParallelExecutor:
     def launch(self, step: StepInput) -> None:
         self.runner.launched.append(self.run(step))
 
+    def collect(self) -> torch.Tensor:  # [num_logits, vocab] float32
+        return self.runner.collect()
 
-class PipelineExecutor:
+
+class PipelineExecutor(_RankZeroExecutor):
     """Rank 0's ModelRunner as pipeline stage 0: `launch` runs a step's first layers and sends it
     on; `collect` returns the logits of the oldest step launched. Any fault between them leaves
     the stages out of step with rank 0: it is fatal."""
-
-    def __init__(self, runner: ModelRunner, group: WorkerGroup):
-        self.runner = runner
-        self.group = group
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
 
     def launch(self, step: StepInput) -> None:
         try:

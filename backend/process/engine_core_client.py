@@ -22,7 +22,7 @@ from backend.child_process import private_directory, remove_directory, start_mod
 from backend.config import EngineConfig
 from backend.core.grammar_compiler import GrammarCompiler
 from backend.core.request_limits import RequestLimits
-from backend.engine_loop import OutputCallback
+from backend.engine_driver import OutputCallback
 from backend.errors import ENGINE_DEAD, EngineDeadError
 from backend.outputs import EngineStats, RequestOutput
 from backend.parallel import wire
@@ -45,23 +45,11 @@ STARTUP_TIMEOUT_S = 600.0  # building the engine loads weights and may tune kern
 SHUTDOWN_GRACE_S = 30.0
 
 
-class EngineCoreFacts:
-    """What the adapter asks of `loop.engine`, from the core's reports."""
-
-    def __init__(self, limits: RequestLimits, stats: EngineStats, tokenizer: str):
-        self.limits = limits
-        self.max_model_len = limits.max_model_len
-        self._stats = stats
-        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, limits.eos_token_ids)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.limits.validate(prompt_ids, params, self.grammars)  # a bad constraint is refused here, as in-process
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-
 class EngineCoreClient:
+    """An EngineDriver (backend/engine_driver.py) over an engine core in its own process. It
+    validates requests here, with the limits the core reported at start-up, and serves the
+    counters of the core's last report."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.context = zmq.Context()
@@ -80,19 +68,21 @@ class EngineCoreClient:
         self.process = start_module("backend.process.engine_core", "--config", config.to_json(), "--requests", requests,
                                     "--outputs", outputs, "--parent", str(os.getpid()))
         try:
-            self.engine = self._wait_ready()
+            self.limits, self._stats = self._wait_ready()
+            self.max_model_len = self.limits.max_model_len
+            self.grammars = GrammarCompiler(config.tokenizer, self.limits.vocab_size, self.limits.eos_token_ids)
         except BaseException:
             self.context.destroy(linger=0)
             remove_directory(self.directory)
             raise
         self._receiver = threading.Thread(target=self._receive, name="specserve-core-receiver", daemon=True)
 
-    def _wait_ready(self) -> EngineCoreFacts:
+    def _wait_ready(self) -> tuple[RequestLimits, EngineStats]:
         waited = 0.0
         while waited < STARTUP_TIMEOUT_S:
             message = self._poll()
             if isinstance(message, Ready):
-                return EngineCoreFacts(message.limits, message.stats, self.config.tokenizer)
+                return message.limits, message.stats
             if isinstance(message, Failed):
                 self._stop_process()
                 raise RuntimeError(f"the engine core failed to start: {message.message}")
@@ -102,7 +92,10 @@ class EngineCoreClient:
         self._stop_process()
         raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
 
-    # -- EngineLoop's interface ---------------------------------------------------------------
+    # -- EngineDriver ---------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return self._stats
+
     def start(self) -> None:
         self._receiver.start()
 
@@ -110,7 +103,7 @@ class EngineCoreClient:
                request_id: str | None = None) -> str:
         if self.dead:
             raise EngineDeadError(ENGINE_DEAD)
-        self.engine.validate(prompt_ids, params)
+        self.limits.validate(prompt_ids, params, self.grammars)  # a bad constraint is refused here, as in-process
         with self._callbacks_lock:
             if request_id is None:
                 request_id = f"core-{self._next_id}"
@@ -169,7 +162,7 @@ class EngineCoreClient:
             if isinstance(message, Output):
                 self._deliver(message.output)
             elif isinstance(message, Stats):
-                self.engine._stats = message.stats
+                self._stats = message.stats
             elif isinstance(message, Dead):
                 self.dead = True
 

@@ -87,7 +87,7 @@ def test_the_core_process_gives_what_the_engine_gives_in_process(config):
         got = run(client, requests())
         assert got.tokens == expected.tokens
         assert {rid: o.finish_reason for rid, o in got.final.items()} == {rid: "length" for rid in expected.final}
-        assert client.engine.stats().num_total_blocks == 64
+        assert client.stats().num_total_blocks == 64
         with pytest.raises(ValidationError, match="prompt_token_ids"):  # refused here, at once
             client.submit([], SamplingParams(), lambda output: None)
     finally:
