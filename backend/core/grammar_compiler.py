@@ -5,9 +5,13 @@ CompiledGrammar over the target's vocabulary: for any prefix of the output, the 
 keep it a prefix of a string the constraint accepts, and whether the output may end there (the
 engine's EOS tokens are the grammar's stop tokens: EOS is allowed only where the grammar can end).
 
-    json         a JSON Schema (xgrammar's JSON Schema converter, strict: no properties beyond
-                 the schema's unless it says so)
-    json_object  any JSON object
+    json         a JSON Schema, every keyword enforced or refused (backend/core/json_schema.py);
+                 strict: compact (", " and ": "), properties in the schema's order, none beyond
+                 the schema's unless it says so (additionalProperties); with `"x-strict": false`
+                 at its root: JSON Schema's own reading, properties beyond the schema's allowed
+                 where it does not forbid them, and whitespace free (runs of MAX_WHITESPACE at most)
+    json_object  any JSON object, compact (as a strict schema; `{"type": "object", "x-strict": false}`
+                 as `json` reads any JSON object, whitespace free)
     regex        a regular expression the whole output matches
     choice       one of the strings, exactly
     grammar      an EBNF grammar (GBNF, xgrammar's dialect) whose rule `root` the output matches
@@ -15,21 +19,30 @@ engine's EOS tokens are the grammar's stop tokens: EOS is allowed only where the
 Compiled grammars are cached by (kind, text): the same schema sent again compiles in microseconds.
 `compile` runs where a request arrives (EngineLoop.submit, in the caller's thread), never in a
 step: a cold JSON Schema takes some 20 ms, which would stall every request in the batch.
-A constraint that does not compile (a schema that is not one, a regex or grammar with a syntax
-error, a regex no string matches) is a ValidationError naming `guided_decoding`.
+A constraint that does not compile (a schema that is not one, a keyword that cannot be enforced,
+a regex or grammar with a syntax error, a regex no string matches) is a ValidationError naming
+`guided_decoding`. So is one past the bounds on what compiling may cost: its size, nesting and
+regex repetition counts (json_schema.SchemaLimits), checked before compiling, and the time
+compiling takes (compile_timeout_s; xgrammar cannot be stopped, so one compiling thread runs them
+in turn, and a constraint that ran past the bound is remembered and refused at once thereafter).
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import re
 import threading
 
 import xgrammar
 
+from backend.core.json_schema import SchemaLimits, check_repetitions, prepare
 from backend.errors import ValidationError
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
+COMPILE_TIMEOUT_S = 5.0  # a constraint that takes longer to compile is refused
+MAX_WHITESPACE = 24  # whitespace characters in a row where JSON's whitespace is free
+STRICT_KEY = "x-strict"  # at a `json` schema's root: false reads it as JSON Schema does (above)
 
 
 class GrammarCompiler:
@@ -37,15 +50,20 @@ class GrammarCompiler:
     on the first compile (a few hundred ms), so engines that never see a constraint pay nothing."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int] | tuple[int, ...],
-                 cache_size: int = CACHE_SIZE):
+                 cache_size: int = CACHE_SIZE, compile_timeout_s: float = COMPILE_TIMEOUT_S,
+                 limits: SchemaLimits = SchemaLimits()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
         self.cache: collections.OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = collections.OrderedDict()
+        self.too_slow: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()  # ran past the bound
         self.cache_size = cache_size
+        self.compile_timeout_s = compile_timeout_s
+        self.limits = limits
         self.lock = threading.Lock()
         self.hits = self.misses = 0
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
     @property
     def compiler(self) -> xgrammar.GrammarCompiler:
@@ -71,7 +89,13 @@ class GrammarCompiler:
                 self.cache.move_to_end(key)
                 self.hits += 1
                 return compiled
-        compiled = self._compile(kind, value)  # outside the lock: others' cache hits do not wait
+            if key in self.too_slow:
+                raise self._timeout_error(kind)
+        try:
+            value, options = self._check(kind, value)
+        except RecursionError:
+            raise ValidationError("guided_decoding", f"{kind} nests too deeply") from None
+        compiled = self._compile_bounded(kind, value, options, key)  # outside the lock: others' hits do not wait
         with self.lock:
             self.misses += 1
             self.cache[key] = compiled
@@ -79,12 +103,42 @@ class GrammarCompiler:
                 self.cache.popitem(last=False)
         return compiled
 
-    def _compile(self, kind: str, value) -> xgrammar.CompiledGrammar:
+    def _check(self, kind: str, value) -> tuple[object, dict]:
+        """What is compiled for a constraint, with xgrammar's JSON options; ValidationError for
+        one that cannot be enforced or is past self.limits."""
+        if kind == "json_object":
+            return '{"type": "object"}', _STRICT_JSON
+        if kind in ("regex", "grammar"):
+            check_repetitions(value, kind, self.limits)
+        if kind != "json":
+            return value, {}
+        schema = json.loads(value)
+        strict = schema.pop(STRICT_KEY, True) if isinstance(schema, dict) else True
+        if not isinstance(strict, bool):
+            raise ValidationError("guided_decoding", f"{STRICT_KEY} must be true or false, got {strict!r}")
+        return json.dumps(prepare(schema, self.limits, strict)), _STRICT_JSON if strict else _FREE_JSON
+
+    def _compile_bounded(self, kind: str, value, options: dict, key: tuple[str, str]) -> xgrammar.CompiledGrammar:
+        """_compile on the compiling thread, waited for compile_timeout_s at most."""
+        future = self._worker.submit(self._compile, kind, value, options)
         try:
-            if kind == "json":
-                compiled = self.compiler.compile_json_schema(value, any_whitespace=False, strict_mode=True)
-            elif kind == "json_object":
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return future.result(timeout=self.compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # if it has not started; otherwise it runs on, and its grammar is dropped
+            with self.lock:
+                self.too_slow[key] = None
+                while len(self.too_slow) > self.cache_size:
+                    self.too_slow.popitem(last=False)
+            raise self._timeout_error(kind) from None
+
+    def _timeout_error(self, kind: str) -> ValidationError:
+        return ValidationError("guided_decoding", f"{kind} takes longer than {self.compile_timeout_s:g} s to compile; "
+                                                  "a smaller one may not")
+
+    def _compile(self, kind: str, value, options: dict) -> xgrammar.CompiledGrammar:
+        try:
+            if kind in ("json", "json_object"):
+                compiled = self.compiler.compile_json_schema(value, **options)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(value)
             elif kind == "choice":
@@ -96,6 +150,10 @@ class GrammarCompiler:
         if _matches_nothing(compiled):
             raise ValidationError("guided_decoding", f"{kind} matches no output")
         return compiled
+
+
+_STRICT_JSON = dict(any_whitespace=False, strict_mode=True)
+_FREE_JSON = dict(any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=False)
 
 
 def choice_grammar(choices: list[str]) -> str:
