@@ -1,10 +1,17 @@
-"""`specserve-ab report`: an A/B experiment's verdict from the OpenAI gateway, as a table, and a
-plot of the arms' latency distributions.
+"""`specserve-ab`: an A/B experiment's verdict, from the OpenAI gateway or replayed from its log.
 
-    specserve-ab report --url http://localhost:9000                 # the table
-    specserve-ab report --url http://localhost:9000 --plot ab.png   # and the plot (matplotlib)
+    specserve-ab report --url http://localhost:9000                 # the gateway's verdict, as a table
+    specserve-ab report --url http://localhost:9000 --plot ab.png   # and the arms' latency ECDFs
     specserve-ab report --json                                      # GET /v1/experiment as is
-The API key, if the gateway has one, comes from $SPECSERVE_API_KEY.
+    specserve-ab replay LOG --control NAME --json                   # the verdict over a request log
+
+`replay` reads a request log (serving/ab_log.py; rotated files too, oldest first) in arrival order
+through the very verdict the gateway runs (serving/ab_verdict.py), looking after every request, and
+prints the same JSON: under "arms", for each arm other than the control, its "decision" ("better",
+"worse" or "no difference") and per metric the estimate, its confidence sequence, the always-valid
+p-value and the request index at which it was decided. `--experiment FILE` takes the metrics (success
+metrics, guardrails and their margins, alpha) from an experiment file. The API key, if the gateway
+has one, comes from $SPECSERVE_API_KEY.
 """
 from __future__ import annotations
 
@@ -23,27 +30,53 @@ def fetch(url: str, path: str) -> dict:
         return json.loads(response.read())
 
 
+def replay(log: str, control: str, experiment: str | None = None) -> dict:
+    """The verdict over a request log, looking after every request."""
+    from serving.ab_log import RequestColumns, read_log
+    from serving.ab_verdict import Verdict, VerdictConfig
+    from serving.rollout import load_experiment
+
+    config = load_experiment(experiment)[1] if experiment else VerdictConfig()
+    arms = {control: None}
+    for records in read_log(log):
+        arms |= dict.fromkeys(r["arm"] for r in records)
+    if len(arms) < 2:
+        raise SystemExit(f"{log}: no arm other than {control!r} in the log")
+    verdict = Verdict(list(arms), config)
+    for records in read_log(log):
+        verdict.add(RequestColumns.from_records(records))
+    return verdict.report()
+
+
+def _number(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
 def table(report: dict) -> str:
-    lines = [f"experiment {report['experiment']}: weights {report['weights']}, control {report['control']}"]
-    for arm, reasons in report["requests"].items():
-        lines.append(f"  {arm}: {sum(reasons.values())} requests {reasons}")
-    lines.append(f"{'arm':>12} | {'metric':>12} | {'p50 (95% CI)':>24} | {'p99':>9} | {'ratio (95% CI)':>22} | "
-                 f"{'p-value':>7} | verdict")
-    for arm, metrics in report["versus_control"].items():
-        for metric, v in metrics.items():
-            if "ratio" not in v:
-                lines.append(f"{arm:>12} | {metric:>12} | {v['verdict']} (n = {v['n']})")
-                continue
-            p50, low, high = v["percentiles"][arm]["50"]
-            ratio, r_low, r_high = v["ratio"]
-            more = f", ~{v['more_needed']} more per arm" if v["verdict"] == "no difference yet" else ""
-            lines.append(f"{arm:>12} | {metric:>12} | {p50:8.4f} ({low:.4f}-{high:.4f}) | "
-                         f"{v['percentiles'][arm]['99'][0]:9.4f} | {ratio:6.3f}x ({r_low:.3f}-{r_high:.3f}) | "
-                         f"{v['p_value']:7.3f} | {v['verdict']}{more}")
+    head = f"experiment {report['experiment']}: weights {report['weights']}, " if "experiment" in report else ""
+    lines = [f"{head}control {report['control']}, {report['requests']} requests, alpha {report['alpha']} "
+             f"({report['level_per_test']:.4g} per test)"]
+    for arm, statuses in report["statuses"].items():
+        q = report["quantiles"][arm]
+        lines.append(f"  {arm}: {report['users'][arm]} users, {statuses}; TTFT p50/p99 {_number(q['ttft']['50'])}/"
+                     f"{_number(q['ttft']['99'])} s, ITL p50/p99 {_number(q['itl']['50'])}/{_number(q['itl']['99'])} s")
+    lines.append(f"{'arm':>12} | {'metric':>9} | {'role':>9} | {'estimate (confidence sequence)':>34} | "
+                 f"{'p-value':>7} | {'decided at':>10} | non-inferior (margin)")
+    for arm, result in report["arms"].items():
+        for metric, v in result["metrics"].items():
+            interval = "" if v["interval"] is None else f"({v['interval'][0]:.4g} to {v['interval'][1]:.4g})"
+            estimate = f"{_number(v['estimate'])} {v['scale']} {interval}"
+            decided = "-" if v["decided_at"] is None else f"{v['direction']} @{v['decided_at']}"
+            guard = "" if "margin" not in v else (f"@{v['non_inferior_at']}" if v["non_inferior_at"] is not None
+                                                  else "not yet") + f" ({v['margin']:g})"
+            lines.append(f"{arm:>12} | {metric:>9} | {v['role']:>9} | {estimate:>34} | {v['p_value']:7.3f} | "
+                         f"{decided:>10} | {guard}")
+        at = "" if result["decided_at"] is None else f" (after request {result['decided_at']})"
+        lines.append(f"{arm:>12}: {result['decision']}{at}")
     if "rollout" in report:
         rollout = report["rollout"]
         lines.append(f"rollout of {rollout['arm']}: {rollout['percent']}%"
-                     f"{' (ended)' if rollout['finished'] else ''}")
+                     f"{' (' + rollout['outcome'] + ')' if rollout['finished'] else ''}")
         lines += [f"  {d['action']} -> {d['percent']}%: {d['reason']}" for d in rollout["decisions"]]
     return "\n".join(lines)
 
@@ -57,9 +90,12 @@ def plot(url: str, path: str) -> None:
 
     fig, axes = plt.subplots(1, len(LATENCIES), figsize=(5 * len(LATENCIES), 3.5))
     for ax, metric in zip(axes, LATENCIES):
-        for arm, values in fetch(url, f"/v1/experiment/samples?metric={metric}").items():
-            if values:
-                ax.ecdf(np.array(values) * 1e3, label=f"{arm} (n = {len(values)})")
+        ecdf = fetch(url, f"/v1/experiment/ecdf?metric={metric}")
+        edges = np.array(ecdf["edges"]) * 1e3
+        for arm, counts in ecdf["counts"].items():
+            counts = np.array(counts)
+            if counts.sum():  # counts[i]: values in (edges[i - 1], edges[i]]
+                ax.step(edges, np.cumsum(counts)[:-1] / counts.sum(), where="post", label=f"{arm} (n = {counts.sum()})")
         ax.set_xscale("log")
         ax.set_xlabel(f"{metric} (ms)")
         ax.set_ylabel("share of requests")
@@ -70,14 +106,21 @@ def plot(url: str, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specserve-ab", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=("report",))
-    p.add_argument("--url", default="http://localhost:9000", help="the OpenAI gateway running the experiment")
-    p.add_argument("--json", action="store_true", help="print the verdict's JSON")
-    p.add_argument("--plot", help="write the arms' latency distributions (ECDFs) to this image")
+    commands = p.add_subparsers(dest="command", required=True)
+    report = commands.add_parser("report", help="the verdict of a running gateway")
+    report.add_argument("--url", default="http://localhost:9000", help="the OpenAI gateway running the experiment")
+    report.add_argument("--json", action="store_true", help="print the verdict's JSON")
+    report.add_argument("--plot", help="write the arms' latency distributions (ECDFs) to this image")
+    log = commands.add_parser("replay", help="the verdict over a request log")
+    log.add_argument("log", help="the request log (JSON lines; LOG.1, LOG.2, ... are read first)")
+    log.add_argument("--control", required=True, help="the control arm's name")
+    log.add_argument("--experiment", help="an experiment file whose \"metrics\" to use")
+    log.add_argument("--json", action="store_true", help="print the verdict's JSON")
     args = p.parse_args(argv)
-    report = fetch(args.url, "/v1/experiment")
-    print(json.dumps(report, indent=1) if args.json else table(report))
-    if args.plot:
+    result = fetch(args.url, "/v1/experiment") if args.command == "report" else \
+        replay(args.log, args.control, args.experiment)
+    print(json.dumps(result, indent=1) if args.json else table(result))
+    if getattr(args, "plot", None):
         plot(args.url, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

@@ -6,8 +6,9 @@ same engine with `speculative_method` ngram and adaptive k); the gateway splits 
 their OpenAI `user` field. --requests streamed chat completions arrive as a Poisson process of
 --rate per second, each from one of --users users, asking one of the held-out chat and code
 prompts (scripts/chat_prompts.py), greedy, up to --max-tokens tokens. At the end: the gateway's
-verdict (`specserve-ab report`), its JSON, the plot of both arms' latency distributions, and
-every request's recorded latencies (for the A/A test on recorded samples).
+verdict (`specserve-ab report`), its JSON, the plot of both arms' latency distributions, their
+ECDFs as counts, and the gateway's request log (`specserve-ab replay OUT_requests.jsonl --control off`
+reads it back through the same verdict).
 
     python -m perf.ab_experiment --out perf/results/ab_experiment
 """
@@ -34,7 +35,7 @@ from serving.repository_variants import add_variant, make_repository
 
 EXPERIMENT = {"name": "ngram-speculation", "sticky_key": "user",
               "arms": [{"name": "off", "model": "llm", "weight": 50}, {"name": "ngram", "model": "llm_ngram", "weight": 50}]}
-METRICS = ("ttft", "itl", "e2e", "tokens_per_s")
+LATENCIES = ("ttft", "itl", "e2e")
 
 
 async def poisson_load(base_url: str, args) -> dict[str, int]:
@@ -74,7 +75,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="each engine's torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "ab_experiment",
-                   help="writes OUT.md (the verdict), OUT.json, OUT.png and OUT_samples.json")
+                   help="writes OUT.md (the verdict), OUT.json, OUT.png, OUT_ecdf.json and OUT_requests.jsonl")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="specserve-ab-") as tmp:
         repository = make_repository(DEFAULT_MODEL_REPOSITORY, Path(tmp) / "repository",
@@ -85,9 +86,12 @@ def main() -> None:
         handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                               log_file=Path(tmp) / "tritonserver.log", log_level="warning", ready_timeout=900)
         port = free_port()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        log = Path(f"{args.out}_requests.jsonl")
+        log.unlink(missing_ok=True)
         gateway = subprocess.Popen(
             [sys.executable, "-m", "serving.openai_server", "--triton", handle.grpc_url, "--port", str(port),
-             "--experiment", str(experiment_file)],
+             "--experiment", str(experiment_file), "--experiment-log", str(log)],
             env=os.environ | {"SPECSERVE_ADMIN_KEY": secrets.token_urlsafe(16)},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
@@ -97,8 +101,7 @@ def main() -> None:
             outcomes = asyncio.run(poisson_load(f"{url}/v1", args))
             wall = time.perf_counter() - started
             report = fetch(url, "/v1/experiment")
-            samples = {metric: fetch(url, f"/v1/experiment/samples?metric={metric}") for metric in METRICS}
-            args.out.parent.mkdir(parents=True, exist_ok=True)
+            ecdf = {metric: fetch(url, f"/v1/experiment/ecdf?metric={metric}") for metric in LATENCIES}
             plot(url, str(args.out.with_suffix(".png")))
         finally:
             gateway.terminate()
@@ -111,7 +114,7 @@ def main() -> None:
     print(header + "\n\n" + text)
     args.out.with_suffix(".md").write_text(f"`python -m perf.ab_experiment` ({header})\n\n```\n{text}\n```\n")
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    Path(f"{args.out}_samples.json").write_text(json.dumps(samples))
+    Path(f"{args.out}_ecdf.json").write_text(json.dumps(ecdf))
 
 
 if __name__ == "__main__":

@@ -1,90 +1,137 @@
-"""What each arm of an A/B experiment gave its users, as the OpenAI gateway saw it: per request
-TTFT, inter-token latency, end-to-end latency, output tokens/s, finish reason or error.
+"""What each arm of an A/B experiment gave its users, as the OpenAI gateway saw it, and the verdict
+that reads it.
 
-Kept as Prometheus families labelled `experiment` and `arm` (counters, and histograms of the three
-latencies) and as a bounded log of the last `max_records` requests per arm, which the verdict
-(serving/ab_verdict.py) reads.
+Each request that ends in the experiment is one line of the request log (serving/ab_log.py), one
+more request in the verdict's running statistics (serving/ab_verdict.py), and one more in the
+Prometheus families labelled `experiment` and `arm` (requests by finish reason or status, output
+tokens, histograms of TTFT, ITL and end-to-end latency). A weight change starts a new period.
+
+With a log, the recorder keeps LOG.weights.json beside it (the weights and the period) and on a
+restart reads the log back through the verdict, so the verdict and the weights resume where they
+were.
 """
 from __future__ import annotations
 
 import bisect
 import collections
+import json
+import os
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import asdict
+from pathlib import Path
 
-import numpy as np
-
-from serving.ab_verdict import SequentialTest, verdict
+from serving.ab_log import LATENCIES, LoggedRequest, RequestColumns, RequestLog, hash_user, read_log
+from serving.ab_verdict import HISTOGRAM_EDGES, Verdict, VerdictConfig
 from serving.experiment import Experiment
 
-MAX_RECORDS = 50_000  # per arm
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-LATENCIES = ("ttft", "itl", "e2e")
-METRICS = {"ttft": True, "itl": True, "e2e": True, "tokens_per_s": False}  # name -> lower is better
+FLUSH_EVERY = 256  # requests held before the verdict takes them in (it looks after each either way)
 
 
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
-    arm: str
-    ttft: float | None  # seconds to the first token; None: no token came
-    itl: float | None  # mean seconds between tokens after the first; None: fewer than 2 tokens
-    e2e: float
-    output_tokens: int
-    finish_reason: str  # "stop", "length", ... or "error"
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self.output_tokens / self.e2e if self.output_tokens and self.e2e > 0 else None
+def write_json(path: Path, values: dict) -> None:
+    """Replace a small JSON file atomically (a crash leaves the old one or the new one)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(values, indent=1))
+    os.replace(partial, path)
 
 
 class ExperimentRecorder:
-    def __init__(self, experiment: Experiment, max_records: int = MAX_RECORDS):
+    def __init__(self, experiment: Experiment, config: VerdictConfig | None = None, log_path: str | Path | None = None):
         self.experiment = experiment
-        self.records = {arm.name: collections.deque(maxlen=max_records) for arm in experiment.arms}
-        self.finishes: collections.Counter = collections.Counter()  # (arm, finish reason) -> requests
-        self.histograms = {(arm.name, m): [0] * (len(BUCKETS) + 1) for arm in experiment.arms for m in LATENCIES}
-        self.sums: collections.Counter = collections.Counter()  # (arm, metric) -> seconds
+        self.verdict = Verdict([a.name for a in experiment.arms], config)
+        self.period = 0
+        self.pending: list[LoggedRequest] = []
+        self.finishes: collections.Counter = collections.Counter()  # (arm, finish reason or status) -> requests
+        self.histograms = {(a.name, m): [0] * (len(BUCKETS) + 1) for a in experiment.arms for m in LATENCIES}
+        self.sums: collections.Counter = collections.Counter()  # (arm, latency) -> seconds
         self.tokens: collections.Counter = collections.Counter()  # arm -> output tokens
-        self.tests = {(arm.name, m): SequentialTest() for arm in experiment.arms[1:] for m in METRICS}
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a rollout holds it across its evaluation
+        self.log_path = None if log_path is None else Path(log_path)
+        self.weights_path = None if log_path is None else Path(f"{log_path}.weights.json")
+        if self.log_path is not None:
+            self._resume()
+            self.log = RequestLog(self.log_path)
 
-    def record(self, record: RequestRecord) -> None:
+    def _resume(self) -> None:
+        """Read an existing log back through the verdict; take the saved weights and period."""
+        for records in read_log(self.log_path):
+            records = [r for r in records if r["arm"] in self.verdict.arms]
+            self.verdict.add(RequestColumns.from_records(records))
+            self.period = max([self.period, *(int(r.get("period", 0)) for r in records)])
+        saved = json.loads(self.weights_path.read_text()) if self.weights_path.exists() else {}
+        if saved.get("experiment") == self.experiment.name and set(saved.get("weights", {})) == \
+                {a.name for a in self.experiment.arms}:
+            self.experiment = self.experiment.with_weights(saved["weights"])
+            self.period = max(self.period, int(saved["period"]))
+        self._save()
+
+    def _save(self) -> None:
+        if self.weights_path is not None:
+            write_json(self.weights_path, {"experiment": self.experiment.name, "period": self.period,
+                                           "weights": self.weights()})
+
+    def weights(self) -> dict[str, float]:
+        return {a.name: a.weight for a in self.experiment.arms}
+
+    def set_weights(self, weights: dict[str, float]) -> bool:
+        """Change weights (ExperimentError if they cannot be); a change starts a new period."""
         with self.lock:
-            self.records[record.arm].append(record)
-            self.finishes[(record.arm, record.finish_reason)] += 1
-            self.tokens[record.arm] += record.output_tokens
-            for metric in LATENCIES:
-                value = getattr(record, metric)
+            changed = self.experiment.with_weights(weights)
+            if changed == self.experiment:
+                return False
+            self._flush()
+            self.experiment, self.period = changed, self.period + 1
+            self._save()
+            return True
+
+    def record(self, arm: str, key: str | None, status: str, finish_reason: str | None = None,
+               ttft: float | None = None, itl: float | None = None, e2e: float | None = None,
+               output_tokens: int = 0) -> None:
+        """One request that ended: status ok, error, client_error or cancelled (serving/ab_log.py)."""
+        with self.lock:
+            request = LoggedRequest(time.time(), arm, hash_user(self.experiment.name, key), status, self.period,
+                                    ttft, itl, e2e if status == "ok" else None, output_tokens)
+            if self.log_path is not None:
+                self.log.append(request)
+            self.pending.append(request)
+            self.finishes[(arm, finish_reason if status == "ok" and finish_reason else status)] += 1
+            self.tokens[arm] += output_tokens
+            for metric, value in zip(LATENCIES, (request.ttft_s, request.itl_s, request.e2e_s)):
                 if value is not None:
-                    self.histograms[(record.arm, metric)][bisect.bisect_left(BUCKETS, value)] += 1
-                    self.sums[(record.arm, metric)] += value
+                    self.histograms[(arm, metric)][bisect.bisect_left(BUCKETS, value)] += 1
+                    self.sums[(arm, metric)] += value
+            if len(self.pending) >= FLUSH_EVERY:
+                self._flush()
 
-    def values(self, arm: str, metric: str) -> np.ndarray:
+    def add(self, batch: RequestColumns) -> None:
+        """Requests straight into the verdict, as if recorded (simulations)."""
         with self.lock:
-            values = [getattr(r, metric) for r in self.records[arm] if r.finish_reason != "error"]
-        return np.array([v for v in values if v is not None and v > 0], dtype=float)
+            self._flush()
+            self.verdict.add(batch)
+
+    def flush(self) -> None:
+        with self.lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            records, self.pending = self.pending, []
+            self.verdict.add(RequestColumns.from_records([asdict(r) for r in records]))
 
     def report(self) -> dict:
-        """Each arm against the control, per metric: percentiles, the ratio, the verdict."""
-        control = self.experiment.control.name
-        arms = {}
-        for arm in self.experiment.arms[1:]:
-            metrics = {}
-            for metric, lower_is_better in METRICS.items():
-                a, b = self.values(control, metric), self.values(arm.name, metric)
-                if len(a) < 2 or len(b) < 2:
-                    metrics[metric] = {"verdict": "no data yet", "n": [len(a), len(b)]}
-                    continue
-                with self.lock:
-                    test = self.tests[(arm.name, metric)]
-                metrics[metric] = verdict(metric, a, b, test, lower_is_better, (control, arm.name)).to_dict()
-            arms[arm.name] = metrics
+        """The verdict against the control, the weights and the period: O(arms x metrics)."""
         with self.lock:
-            finishes = {arm.name: {reason: n for (a, reason), n in self.finishes.items() if a == arm.name}
-                        for arm in self.experiment.arms}
-        return {"experiment": self.experiment.name, "control": control,
-                "weights": {a.name: a.weight for a in self.experiment.arms},
-                "requests": finishes, "versus_control": arms}
+            self._flush()
+            return {"experiment": self.experiment.name, "weights": self.weights(), "period": self.period} | \
+                self.verdict.report()
+
+    def ecdf(self, column: str) -> dict:
+        """Each arm's distribution of a latency: counts in the verdict's log-spaced bins."""
+        with self.lock:
+            self._flush()
+            return {"edges": HISTOGRAM_EDGES.tolist(),
+                    "counts": {arm: self.verdict.histograms[(arm, column)].tolist() for arm in self.verdict.arms}}
 
     def prometheus(self) -> str:
         """The text exposition of the per-arm families."""
@@ -94,12 +141,13 @@ class ExperimentRecorder:
             for (arm, reason), n in sorted(self.finishes.items()):
                 lines.append(f'specserve_ab_requests_total{{experiment="{name}",arm="{arm}",finish_reason="{reason}"}} {n}')
             lines.append("# TYPE specserve_ab_output_tokens_total counter")
-            for arm in self.records:
+            arms = [a.name for a in self.experiment.arms]
+            for arm in arms:
                 lines.append(f'specserve_ab_output_tokens_total{{experiment="{name}",arm="{arm}"}} {self.tokens[arm]}')
             for metric in LATENCIES:
-                family = f"specserve_ab_{metric}_seconds"
+                family = f"specserve_ab_{metric.removesuffix('_s')}_seconds"
                 lines.append(f"# TYPE {family} histogram")
-                for arm in self.records:
+                for arm in arms:
                     counts, total = self.histograms[(arm, metric)], 0
                     labels = f'experiment="{name}",arm="{arm}"'
                     for bound, count in zip((*BUCKETS, float("inf")), counts):

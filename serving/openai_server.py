@@ -11,10 +11,10 @@ and nesting, and a bound on requests in flight.
 
 With `--experiment FILE` (serving/experiment.py) the server is an A/B gateway: each request goes
 to the arm its sticky key is assigned (the response's `x-specserve-arm` header names it), what it
-gave the user is recorded per arm (serving/ab_recorder.py; Prometheus text on /metrics), the
-verdict against the control is JSON on GET /v1/experiment (each arm's recent values of a metric on
-/v1/experiment/samples?metric=ttft), and POST /v1/experiment/weights changes the weights at run
-time with the admin key.
+gave the user is recorded per arm (serving/ab_recorder.py: the request log of --experiment-log,
+Prometheus text on /metrics), the verdict against the control is JSON on GET /v1/experiment (each
+arm's latency distribution on /v1/experiment/ecdf?metric=ttft), and POST /v1/experiment/weights
+changes the weights at run time with the admin key.
 
     SPECSERVE_API_KEY=... python -m serving.openai_server --triton localhost:8001 --port 9000
 """
@@ -47,7 +47,9 @@ from client.stream import (
     request_inputs,
     stop_inputs,
 )
-from serving.ab_recorder import METRICS, ExperimentRecorder, RequestRecord
+from serving.ab_log import LATENCIES
+from serving.ab_recorder import ExperimentRecorder
+from serving.ab_verdict import VerdictConfig
 from serving.experiment import Assignment, Experiment, ExperimentError
 from serving.rollout import Rollout, RolloutPlan, load_experiment
 from serving.launcher import ADMIN_HEADER  # the operator's admin key, as tritonserver's restricted APIs take it
@@ -207,42 +209,41 @@ class TritonClient:
 
 class ExperimentGate:
     """An A/B experiment in front of the arms: which arm serves a request, what it gave the user,
-    and weight changes at run time (the admin key's, compared in constant time)."""
+    the requests in flight on each arm (a rollout rolls back an arm that stops answering), and weight
+    changes at run time (the admin key's, compared in constant time)."""
 
-    def __init__(self, experiment: Experiment, admin_key: str | None, rollout: RolloutPlan | None = None):
-        self.recorder = ExperimentRecorder(experiment)  # holds the experiment, weights as they are now
+    def __init__(self, experiment: Experiment, admin_key: str | None, rollout: RolloutPlan | None = None,
+                 config: VerdictConfig | None = None, log_path: str | None = None):
+        self.recorder = ExperimentRecorder(experiment, config, log_path)  # holds the weights as they are now
         self.admin_key = admin_key
         self.rollout = Rollout(rollout, self.recorder) if rollout is not None else None
-        if self.rollout is not None:
-            self._apply(self.rollout.weights())
+        self.in_flight: dict[TritonGeneration, str] = {}  # -> the arm serving it
 
     @property
     def experiment(self) -> Experiment:
         return self.recorder.experiment
 
-    def _apply(self, weights: dict[str, float]) -> None:
-        self.recorder.experiment = self.experiment.with_weights(weights)
-        log.info("experiment %s: weights now %s", self.experiment.name, weights)
+    def stalled_s(self, arm: str) -> float:
+        """How long the arm's longest-waiting request in flight has gone without a token."""
+        now = time.monotonic()
+        return max((now - (g.last_token_at or g.started) for g, a in self.in_flight.items() if a == arm), default=0.0)
 
     async def guard_rollout(self, interval_s: float) -> None:
-        """Judge the rollout's step every interval_s; move the weights on an advance or rollback."""
+        """Judge the rollout every interval_s; it moves the weights on an advance or rollback."""
         while self.rollout is not None and not self.rollout.finished:
             await asyncio.sleep(interval_s)
-            decision = self.rollout.evaluate()
+            decision = self.rollout.evaluate(self.stalled_s(self.rollout.plan.arm))
             if decision.action != "hold":
                 log.info("experiment %s rollout: %s to %s%% (%s): %s", self.experiment.name, decision.action,
                          decision.percent, decision.reason, json.dumps(decision.evidence))
-                self._apply(self.rollout.weights())
 
     def report(self) -> dict:
         report = self.recorder.report()
         if self.rollout is not None:
-            report["rollout"] = {"arm": self.rollout.plan.arm, "percent": self.rollout.percent,
-                                 "finished": self.rollout.finished,
-                                 "decisions": [d.to_dict() for d in self.rollout.decisions]}
+            report["rollout"] = self.rollout.to_dict()
         return report
 
-    def assign(self, request: Request, body: dict) -> Assignment:
+    def key(self, request: Request, body: dict) -> str | None:
         source = self.experiment.sticky_key
         if source == "user":
             key = body.get("user")
@@ -250,16 +251,22 @@ class ExperimentGate:
             key = request.headers.get(source.split(":", 1)[1])
         else:
             key = body.get(source.split(":", 1)[1])
-        return self.experiment.assign(str(key) if key is not None else None)
+        return str(key) if key is not None else None
 
-    def record(self, assignment: Assignment, generation: TritonGeneration, finish_reason: str) -> None:
-        if not assignment.in_experiment:
-            return
+    def start(self, assignment: Assignment, generation: TritonGeneration) -> None:
+        if assignment.in_experiment:
+            self.in_flight[generation] = assignment.arm.name
+
+    def record(self, assignment: Assignment, key: str | None, generation: TritonGeneration, status: str,
+               finish_reason: str | None = None) -> None:
+        """How a request ended: status ok, error, client_error (a 4xx) or cancelled; once a request."""
+        if self.in_flight.pop(generation, None) is None:
+            return  # held out, or already recorded
         first, last, n = generation.first_token_at, generation.last_token_at, generation.output_tokens
-        self.recorder.record(RequestRecord(
-            assignment.arm.name, None if first is None else first - generation.started,
-            (last - first) / (n - 1) if first is not None and n > 1 else None,
-            time.monotonic() - generation.started, n, finish_reason))
+        self.recorder.record(assignment.arm.name, key, status, finish_reason,
+                             None if first is None else first - generation.started,
+                             (last - first) / (n - 1) if first is not None and n > 1 else None,
+                             time.monotonic() - generation.started, n)
 
     def set_weights(self, request: Request, weights: Any) -> None:
         given = request.headers.get(ADMIN_HEADER, "")
@@ -272,15 +279,16 @@ class ExperimentGate:
         if self.rollout is not None and not self.rollout.finished:
             raise OpenAIError("a rollout sets the weights until it ends", 409, param="weights")
         try:
-            self._apply(weights)
+            self.recorder.set_weights(weights)
         except ExperimentError as e:
             raise OpenAIError(str(e), param="weights") from None
 
 
 def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = None,
                experiment: Experiment | None = None, admin_key: str | None = None,
-               rollout: RolloutPlan | None = None, rollout_interval_s: float = ROLLOUT_INTERVAL_S) -> FastAPI:
-    gate = ExperimentGate(experiment, admin_key, rollout) if experiment is not None else None
+               rollout: RolloutPlan | None = None, rollout_interval_s: float = ROLLOUT_INTERVAL_S,
+               verdict: VerdictConfig | None = None, experiment_log: str | None = None) -> FastAPI:
+    gate = ExperimentGate(experiment, admin_key, rollout, verdict, experiment_log) if experiment is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -320,12 +328,11 @@ def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = N
         async def experiment_report() -> JSONResponse:
             return JSONResponse(await asyncio.to_thread(gate.report))
 
-        @app.get("/v1/experiment/samples")
-        async def experiment_samples(metric: str = "ttft") -> JSONResponse:
-            if metric not in METRICS:
-                raise OpenAIError(f"metric must be one of {', '.join(METRICS)}", param="metric")
-            return JSONResponse({arm.name: gate.recorder.values(arm.name, metric).tolist()
-                                 for arm in gate.experiment.arms})
+        @app.get("/v1/experiment/ecdf")
+        async def experiment_ecdf(metric: str = "ttft") -> JSONResponse:
+            if f"{metric}_s" not in LATENCIES:
+                raise OpenAIError("metric must be one of ttft, itl, e2e", param="metric")
+            return JSONResponse(await asyncio.to_thread(gate.recorder.ecdf, f"{metric}_s"))
 
         @app.post("/v1/experiment/weights")
         async def experiment_weights(request: Request) -> JSONResponse:
@@ -369,11 +376,15 @@ async def _serve(request: Request, client, served_model: str, kind: str, parse, 
     # a constraint `llm` refuses is named as the client wrote it
     constraint = "tool_choice" if generation_request.tools is not None and generation_request.tools.forced \
         else "response_format"
-    assignment = gate.assign(request, body) if gate is not None else None
+    key = gate.key(request, body) if gate is not None else None
+    assignment = gate.experiment.assign(key) if gate is not None else None
     model = assignment.arm.model if assignment is not None else TRITON_MODEL
     generation = TritonGeneration(client, inputs, constraint, model)
     reply = Reply(kind, served_model, generation_request)
-    record = (lambda finish: gate.record(assignment, generation, finish)) if gate is not None else None
+    record = None
+    if gate is not None:
+        gate.start(assignment, generation)
+        record = lambda status, finish=None: gate.record(assignment, key, generation, status, finish)  # noqa: E731
     headers = {"x-specserve-arm": assignment.arm.name} if assignment is not None else None
     if generation_request.stream:
         return StreamingResponse(_events(request, generation, reply, record), media_type="text/event-stream",
@@ -392,15 +403,21 @@ async def _whole(request: Request, generation: TritonGeneration, reply: Reply, r
     try:
         async for outputs in generation.responses():
             gathered.add(outputs)
-    except OpenAIError:
+    except OpenAIError as error:
         if record is not None:
-            record("error")
+            record(_status(error))
         raise
     finally:
+        gone = watcher.done()  # the client left and the request was stopped
         watcher.cancel()
     if record is not None:
-        record(gathered.finish_reason or "stop")
+        record("cancelled" if gone else "ok", gathered.finish_reason or "stop")
     return reply.whole(gathered)
+
+
+def _status(error: OpenAIError) -> str:
+    """An experiment's name for how a request failed: the client's mistake (4xx) or the server's."""
+    return "client_error" if 400 <= error.status < 500 else "error"
 
 
 async def _watch_disconnect(request: Request, generation: TritonGeneration) -> None:
@@ -424,15 +441,17 @@ async def _events(request: Request, generation: TritonGeneration, reply: Reply, 
                 yield _event(reply.chunk(delta=delta, offset=offset))
             offset += len(delta.text)
         if record is not None:
-            record(gathered.finish_reason or "stop")
+            record("ok", gathered.finish_reason or "stop")
         if reply.request.include_usage:
             yield _event(reply.usage_chunk(gathered))
         yield "data: [DONE]\n\n"
     except OpenAIError as error:
         if record is not None:
-            record("error")
+            record(_status(error))
         yield _event(error.body())
     except (asyncio.CancelledError, GeneratorExit):
+        if record is not None:
+            record("cancelled")
         await asyncio.shield(generation.stop())
         raise
 
@@ -538,16 +557,21 @@ def main() -> None:
                         f"${ADMIN_KEY_ENV}, else none may")
     p.add_argument("--rollout-interval", type=float, default=ROLLOUT_INTERVAL_S,
                    help="seconds between judgements of the experiment's rollout (its \"rollout\" key)")
+    p.add_argument("--experiment-log", default=None,
+                   help="the experiment's request log (JSON lines, rotated); beside it the weights and the rollout's "
+                        "state, so a restart resumes both (docs/experiments.md)")
     args = p.parse_args()
     try:
         guard = GuardConfig(args.api_key, args.max_body_bytes, args.max_concurrent_requests)
-        experiment, rollout = load_experiment(args.experiment) if args.experiment else (None, None)
+        experiment, verdict, rollout = load_experiment(args.experiment) if args.experiment else (None, None, None)
     except ValueError as e:
         p.error(str(e))
     if guard.api_key is None:
         logging.warning("no API key (--api-key or $%s): anyone who reaches port %d can use it", API_KEY_ENV, args.port)
+    if rollout is not None and args.experiment_log is None:
+        logging.warning("a rollout without --experiment-log starts over if the gateway restarts")
     uvicorn.run(create_app(args.triton, args.served_model_name, guard, experiment, args.admin_key, rollout,
-                           args.rollout_interval),
+                           args.rollout_interval, verdict, args.experiment_log),
                 host=args.host, port=args.port,
                 log_level="warning", timeout_graceful_shutdown=2)
 

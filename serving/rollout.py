@@ -1,27 +1,34 @@
 """A guarded rollout of one arm: its share of traffic ramps up (e.g. 1 % -> 10 % -> 50 % -> 100 %)
-only while guardrails hold against the control, and drops to 0 at once when one breaks.
+while the verdict finds no harm, and drops to 0 at once when it does.
 
-At each evaluation, over the requests since the current step began (the arm needs at least
-`min_requests` of them before the step can be judged; a break is acted on as soon as it is seen):
-    error rate    the arm's minus the control's, at most `max_error_rate_increase`
-    TTFT p99      the arm's over the control's, at most `max_ttft_p99_ratio`
-    ITL p99       the arm's over the control's, at most `max_itl_p99_ratio`
-(the p99s once both arms have `min_tail_requests`). All hold with `min_requests` in: the next step;
-one breaks: rollback (weight 0) and the rollout ends. Every decision carries its evidence.
+At each evaluation (serving/ab_verdict.py holds the tests, looking after every request):
+    rollback   the verdict calls the arm worse on any metric (a sequential deterioration test,
+               family-wise over the metrics, stratified over the rollout's periods), or a request on
+               the arm has gone `stall_timeout_s` without a token (an arm that hangs never answers)
+    hold       the arm has served fewer than `min_requests` since the step began, or either arm
+               has fewer users there than the verdict's first look needs
+    advance    otherwise, to the next step
+At the last step the control keeps `holdout` percent until every guardrail has passed its
+non-inferiority test on that step's requests alone (the full load is where an arm that held at
+10 % may break); then the arm gets the last step's share and the rollout is done. Every decision
+carries its evidence.
+
+The state (step, outcome, decisions) is saved to LOG.rollout.json beside the request log after
+each decision, so a restarted gateway resumes the rollout: a rolled-back arm stays at 0.
 
 The experiment file's "rollout": {"arm": "speculative", "steps": [1, 10, 50, 100], "min_requests": 200,
-"max_error_rate_increase": 0.01, "max_ttft_p99_ratio": 1.2, "max_itl_p99_ratio": 1.2}
+"holdout": 5, "stall_timeout_s": 120}
 """
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from serving.ab_recorder import ExperimentRecorder, RequestRecord
+from serving.ab_recorder import ExperimentRecorder, write_json
+from serving.ab_verdict import METRICS, VerdictConfig, VerdictError
 from serving.experiment import Experiment, ExperimentError
 
 
@@ -29,11 +36,9 @@ from serving.experiment import Experiment, ExperimentError
 class RolloutPlan:
     arm: str
     steps: tuple[float, ...] = (1.0, 10.0, 50.0, 100.0)  # the arm's percent of the traffic, in order
-    min_requests: int = 200
-    min_tail_requests: int = 100
-    max_error_rate_increase: float = 0.01
-    max_ttft_p99_ratio: float = 1.2
-    max_itl_p99_ratio: float = 1.2
+    min_requests: int = 200  # the arm's requests in a step before it may advance
+    holdout: float = 5.0  # the control's percent at the last step until the guardrails pass there
+    stall_timeout_s: float = 120.0  # a request on the arm this long without a token rolls it back
 
     @classmethod
     def from_dict(cls, values: dict, experiment: Experiment) -> RolloutPlan:
@@ -45,11 +50,14 @@ class RolloutPlan:
             raise ExperimentError("rollout: arm must name an arm other than the control (the first)")
         if not plan.steps or any(not 0 < s <= 100 for s in plan.steps) or list(plan.steps) != sorted(plan.steps):
             raise ExperimentError("rollout: steps must be rising percents in (0, 100]")
+        if not 0 < plan.holdout < 50 or plan.min_requests < 1 or not plan.stall_timeout_s > 0:
+            raise ExperimentError("rollout: holdout a percent in (0, 50), min_requests >= 1, stall_timeout_s > 0")
         return plan
 
 
-def load_experiment(path: str | Path) -> tuple[Experiment, RolloutPlan | None]:
-    """An experiment file: the experiment, and its rollout plan when it has a "rollout" key."""
+def load_experiment(path: str | Path) -> tuple[Experiment, VerdictConfig, RolloutPlan | None]:
+    """An experiment file: the experiment, its verdict's metrics ("metrics" key) and its rollout
+    plan ("rollout" key), each checked."""
     try:
         values = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -57,7 +65,11 @@ def load_experiment(path: str | Path) -> tuple[Experiment, RolloutPlan | None]:
     if not isinstance(values, dict):
         raise ExperimentError(f"{path}: not an experiment (a JSON object)")
     experiment = Experiment.from_dict(values)
-    return experiment, RolloutPlan.from_dict(values["rollout"], experiment) if "rollout" in values else None
+    try:
+        config = VerdictConfig.from_dict(values.get("metrics", {}))
+    except VerdictError as e:
+        raise ExperimentError(str(e)) from None
+    return experiment, config, RolloutPlan.from_dict(values["rollout"], experiment) if "rollout" in values else None
 
 
 @dataclass(slots=True)
@@ -77,73 +89,122 @@ class Rollout:
     def __init__(self, plan: RolloutPlan, recorder: ExperimentRecorder):
         self.plan, self.recorder = plan, recorder
         self.step = 0
-        self.finished = False
+        self.outcome: str | None = None  # "rolled back" or "done" once it ends
+        self.step_period = -1  # the first period of the current step
+        self.bounds: dict[str, float] = {}  # guardrail -> lowest non-inferiority bound at the last step
         self.decisions: list[Decision] = []
-        self.started_at = self._counts()  # requests recorded per arm when the current step began
+        self.path = None if recorder.log_path is None else Path(f"{recorder.log_path}.rollout.json")
+        if self.path is not None and self.path.exists():
+            self._resume(json.loads(self.path.read_text()))
+        recorder.set_weights(self.weights())
+        if self.step_period < 0:
+            self.step_period = recorder.period
+            self._save()
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome is not None
 
     @property
     def percent(self) -> float:
-        return 0.0 if self.finished and self.decisions and self.decisions[-1].action == "rollback" \
-            else self.plan.steps[self.step]
+        if self.outcome == "rolled back":
+            return 0.0
+        last = self.step == len(self.plan.steps) - 1
+        share = self.plan.steps[self.step]
+        return min(share, 100.0 - self.plan.holdout) if last and self.outcome is None else share
 
     def weights(self) -> dict[str, float]:
-        """The experiment's weights for the current step: the arm's percent, the rest the control's."""
+        """The experiment's weights now: the arm's percent, the rest the control's."""
         control = self.recorder.experiment.control.name
         return {a.name: 0.0 for a in self.recorder.experiment.arms} | {
             control: 100.0 - self.percent, self.plan.arm: self.percent}
 
-    def evaluate(self) -> Decision:
-        """Judge the current step; the caller applies `weights()` after an advance or a rollback."""
+    def evaluate(self, stalled_s: float = 0.0) -> Decision:
+        """Judge the rollout now; stalled_s: how long the arm's oldest request in flight has gone
+        without a token. Moves the weights on an advance, a rollback or the end."""
+        with self.recorder.lock:
+            return self._evaluate(stalled_s)
+
+    def _evaluate(self, stalled_s: float) -> Decision:
         if self.finished:
-            return Decision("done", self.percent, "the rollout has ended", {})
-        control = self.recorder.experiment.control.name
-        since = self._counts()
-        arm = self._since(self.plan.arm, since)
-        base = self._since(control, since)
-        evidence = {"requests": {self.plan.arm: len(arm), control: len(base)}, "percent": self.percent}
-        broken = self._broken(arm, base, evidence)
-        if broken:
-            decision = Decision("rollback", 0.0, broken, evidence)
-            self.finished = True
-        elif len(arm) < self.plan.min_requests:
-            return Decision("hold", self.percent, f"{len(arm)} of {self.plan.min_requests} requests in this step",
-                            evidence)
-        elif self.step + 1 < len(self.plan.steps):
+            return Decision("done", self.percent, f"the rollout has ended ({self.outcome})", {})
+        verdict = self.recorder.verdict
+        self.recorder.flush()
+        requests = sum(n for (arm, period), n in verdict.period_requests.items()
+                       if arm == self.plan.arm and period >= self.step_period)
+        periods = [p for p in verdict.periods if p >= self.step_period]
+        users = min(verdict.users(self.plan.arm, periods), verdict.users(verdict.control, periods))
+        evidence = {"percent": self.percent, "step_requests": requests, "step_users": users,
+                    "requests": verdict.requests}
+        call, at = verdict.decision(self.plan.arm)
+        if stalled_s > self.plan.stall_timeout_s:
+            return self._end("rolled back", f"a request on the arm has had no token for {stalled_s:.0f} s "
+                                            f"(limit {self.plan.stall_timeout_s:g} s)", evidence)
+        if call == "worse":
+            worse = {m: verdict.metric_report(self.plan.arm, m) for m in verdict.config.tested
+                     if verdict.states[(self.plan.arm, m)].direction == "worse"}
+            evidence |= {"decided_at": at, "worse": worse}
+            return self._end("rolled back", "worse than the control on " + ", ".join(worse), evidence)
+        if requests < self.plan.min_requests or users < verdict.config.min_users:
+            return Decision("hold", self.percent, f"{requests} of {self.plan.min_requests} requests and {users} of "
+                                                  f"{verdict.config.min_users} users (either arm) in this step", evidence)
+        if self.step + 1 < len(self.plan.steps):
             self.step += 1
-            self.started_at = since
-            decision = Decision("advance", self.percent, "every guardrail holds", evidence)
-        else:
-            self.finished = True
-            decision = Decision("done", self.percent, "every guardrail held at the last step", evidence)
+            return self._moved("advance", "no metric is worse", evidence)
+        waiting = self._guardrails_waiting(evidence)
+        if waiting:
+            return Decision("hold", self.percent, "waiting for non-inferiority at the last step: " + ", ".join(waiting),
+                            evidence)
+        return self._end("done", "every guardrail is non-inferior at the last step", evidence)
+
+    def _guardrails_waiting(self, evidence: dict) -> list[str]:
+        """The guardrails not yet non-inferior over the last step's periods (running minimum of
+        each bound over evaluations, at the verdict's non-inferiority level)."""
+        verdict = self.recorder.verdict
+        periods = [p for p in verdict.periods if p >= self.step_period]  # the last step's
+        for metric in verdict.config.guardrails:
+            look = verdict.interval(self.plan.arm, metric, periods, verdict.non_inferior_level)
+            if look is not None:
+                self.bounds[metric] = min(self.bounds.get(metric, math.inf), look[0] + look[1])
+        margins = {m: verdict.config.margin(m) for m in verdict.config.guardrails}
+        evidence["non_inferiority"] = {m: {"bound": _shown(m, self.bounds.get(m, math.inf)),
+                                           "margin": verdict.config.guardrails[m]} for m in margins}
+        return [m for m, margin in margins.items() if not self.bounds.get(m, math.inf) < margin]
+
+    def _end(self, outcome: str, reason: str, evidence: dict) -> Decision:
+        self.outcome = outcome
+        return self._moved("rollback" if outcome == "rolled back" else "done", reason, evidence)
+
+    def _moved(self, action: str, reason: str, evidence: dict) -> Decision:
+        self.recorder.set_weights(self.weights())
+        self.step_period, self.bounds = self.recorder.period, {}
+        decision = Decision(action, self.percent, reason, evidence)
         self.decisions.append(decision)
+        self._save()
         return decision
 
-    def _counts(self) -> dict[str, int]:
-        with self.recorder.lock:
-            return {arm: sum(n for (a, _), n in self.recorder.finishes.items() if a == arm)
-                    for arm in self.recorder.records}
+    def _save(self) -> None:
+        if self.path is not None:
+            write_json(self.path, {"experiment": self.recorder.experiment.name, "arm": self.plan.arm,
+                                   "steps": list(self.plan.steps), "step": self.step, "outcome": self.outcome,
+                                   "step_period": self.step_period,
+                                   "decisions": [d.to_dict() for d in self.decisions]})
 
-    def _since(self, arm: str, now: dict[str, int]) -> list[RequestRecord]:
-        new = now[arm] - self.started_at.get(arm, 0)
-        with self.recorder.lock:
-            records = list(self.recorder.records[arm])
-        return records[len(records) - min(new, len(records)):] if new > 0 else []
+    def _resume(self, saved: dict) -> None:
+        if (saved.get("experiment"), saved.get("arm"), saved.get("steps")) != \
+                (self.recorder.experiment.name, self.plan.arm, list(self.plan.steps)):
+            return  # another rollout's state: start afresh
+        self.step, self.outcome = int(saved["step"]), saved.get("outcome")
+        self.step_period = int(saved.get("step_period", -1))
+        self.decisions = [Decision(**d) for d in saved.get("decisions", [])]
 
-    def _broken(self, arm: list[RequestRecord], base: list[RequestRecord], evidence: dict) -> str | None:
-        plan = self.plan
-        if arm and base:
-            rate = sum(r.finish_reason == "error" for r in arm) / len(arm)
-            base_rate = sum(r.finish_reason == "error" for r in base) / len(base)
-            evidence["error_rate"] = {"arm": rate, "control": base_rate}
-            # a break needs more than one unlucky request: at least 3 errors in the arm
-            if rate - base_rate > plan.max_error_rate_increase and sum(r.finish_reason == "error" for r in arm) >= 3:
-                return f"error rate {rate:.3f} against the control's {base_rate:.3f}"
-        for metric, limit in (("ttft", plan.max_ttft_p99_ratio), ("itl", plan.max_itl_p99_ratio)):
-            a = [getattr(r, metric) for r in arm if getattr(r, metric) is not None]
-            b = [getattr(r, metric) for r in base if getattr(r, metric) is not None]
-            if len(a) >= plan.min_tail_requests and len(b) >= plan.min_tail_requests:
-                ratio = float(np.percentile(a, 99) / np.percentile(b, 99))
-                evidence[f"{metric}_p99_ratio"] = ratio
-                if ratio > limit:
-                    return f"{metric} p99 is {ratio:.2f}x the control's (limit {limit}x)"
+    def to_dict(self) -> dict:
+        return {"arm": self.plan.arm, "step": self.step, "percent": self.percent, "finished": self.finished,
+                "outcome": self.outcome, "decisions": [d.to_dict() for d in self.decisions]}
+
+
+def _shown(metric: str, bound: float) -> float | None:
+    """A bound on the metric's own scale (a ratio for latencies)."""
+    if math.isinf(bound):
         return None
+    return math.exp(bound) if METRICS[metric].kind == "log" else bound
