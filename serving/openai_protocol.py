@@ -3,9 +3,14 @@
 Plain Python (no web framework): `completion_inputs` / `chat_inputs` validate an OpenAI request
 body and return `llm`'s inputs (an OpenAIError, status 400, names the parameter otherwise);
 `Accumulator` gathers `llm`'s responses into OpenAI's text, finish reason, usage and logprobs.
-`response_format` (json_object, json_schema) becomes a guided-decoding constraint; `tools` and
-`tool_choice` are serving/tool_calls.py's. What OpenAI has and this server does not (n > 1,
-best_of, logit_bias, audio, ...) is a 400 naming the parameter, as OpenAI does for a value it refuses.
+`response_format` (json_object, json_schema) becomes a guided-decoding constraint: json_schema
+with `strict: true` as the engine's strict JSON (compact, the schema's properties only, unless it
+says otherwise), json_object and json_schema without it as JSON Schema reads them (any
+whitespace, properties beyond the schema's where it allows them: `"x-strict": false`,
+backend/core/grammar_compiler.py). `tools` and `tool_choice` are serving/tool_calls.py's; tools
+with a response_format are a 400 (the format leaves no room for a call). What OpenAI has and this
+server does not (n > 1, best_of, logit_bias, audio, ...) is a 400 naming the parameter, as OpenAI
+does for a value it refuses.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.core.grammar_compiler import STRICT_KEY
 from serving.tool_calls import ToolError, Tools, read_tools, render_messages
 
 MAX_TOP_LOGPROBS = 20
@@ -92,10 +98,10 @@ def chat_inputs(body: dict) -> GenerationRequest:
     except ToolError as e:
         raise OpenAIError(str(e), param=e.param) from None
     guide = _response_format(body.get("response_format"))
+    if tools is not None and guide is not None:  # the format leaves no room for a call
+        raise OpenAIError(f"response_format cannot be combined with tools and tool_choice {tools.choice!r}",
+                          param="response_format")
     if tools is not None and tools.forced:
-        if guide is not None:
-            raise OpenAIError("response_format cannot be combined with a tool_choice that forces a call",
-                              param="response_format")
         guide = tools.guided_decoding()
     chat = render_messages(chat, tools)
     logprobs = None
@@ -116,7 +122,7 @@ def _response_format(value: Any) -> dict | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"json_object": True}
+        return {"json": {"type": "object", STRICT_KEY: False}}
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -124,7 +130,7 @@ def _response_format(value: Any) -> dict | None:
                 or not isinstance(spec.get("strict", False), (bool, type(None))):
             raise OpenAIError('json_schema must be {"name": str, "schema": {...}, "strict": bool}',
                               param="response_format")
-        return {"json": schema}
+        return {"json": schema if spec.get("strict") else {**schema, STRICT_KEY: False}}
     raise OpenAIError('response_format type must be "text", "json_object" or "json_schema"', param="response_format")
 
 

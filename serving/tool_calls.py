@@ -10,20 +10,32 @@ client forces is enforced by a JSON Schema constraint (guided decoding).
                    {"type": "function", "function": {"name": N}}: the output is N's arguments
 Conversation turns carry the calls as the model writes them: an assistant message's `tool_calls`
 become <tool_call> blocks, a `tool` message a user turn holding <tool_response>...</tool_response>.
-A call that does not parse (a cut-off output) is left as the message's content.
+
+In `auto` mode each <tool_call> block is read on its own: a block that does not parse, names no
+tool, or whose arguments do not satisfy the tool's parameters (JsonChecker: the grammar a forced
+call would be constrained by) stays in the message's content as the model wrote it, and the
+reason is logged; the calls that did parse are kept, and so is the text around them. Arguments
+written as a JSON string holding an object are taken. With parallel_tool_calls false the first
+call is kept and the others are dropped (logged). A forced call that does not parse (cut off by
+max_tokens) is left as the content.
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from backend.core.grammar_compiler import json_checker
+from backend.errors import ValidationError
+
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 CALL_START = "<tool_call>"
 MAX_TOOLS = 128
+log = logging.getLogger(__name__)
 
 
 class ToolError(ValueError):
@@ -86,24 +98,52 @@ class Tools:
             return (None, [ToolCall(self.named, _compact(text))]) if _is_json(text) else (text, [])
         if self.choice == "required":
             try:
-                calls = json.loads(text)
-                return None, [ToolCall(c["name"], json.dumps(c["arguments"])) for c in calls]
-            except (json.JSONDecodeError, TypeError, KeyError):
+                calls = [ToolCall(c["name"], json.dumps(_arguments(c))) for c in json.loads(text)]
+                return None, calls
+            except (json.JSONDecodeError, TypeError, KeyError, ValueError):
                 return text, []
-        calls = []
-        for block in CALL_BLOCK.findall(text):
-            try:
-                call = json.loads(block)
-                name, arguments = call["name"], call.get("arguments", {})
-            except (json.JSONDecodeError, TypeError, KeyError):
-                return text, []
-            if name not in self.functions or not isinstance(arguments, dict):
-                return text, []
-            calls.append(ToolCall(name, json.dumps(arguments)))
-        if not calls:
-            return text, []
-        content = text[:text.index(CALL_START)].strip()
-        return content or None, calls
+        content, calls = self.read_blocks(text)
+        return (content.strip() or None, calls) if calls else (text, [])
+
+    def read_blocks(self, text: str) -> tuple[str, list[ToolCall]]:
+        """An `auto` answer's <tool_call> blocks: (the text with the calls taken out, the calls)."""
+        calls: list[ToolCall] = []
+        kept, start = [], 0
+        for match in CALL_BLOCK.finditer(text):
+            kept.append(text[start:match.start()])
+            start = match.end()
+            call, reason = self._call(match.group(1))
+            if call is not None and calls and not self.parallel:
+                log.info("a call after the first is dropped: parallel_tool_calls is false")
+            elif call is None:
+                log.info("a <tool_call> block is left as content: %s", reason)
+                kept.append(match.group(0))
+            else:
+                calls.append(call)
+        return "".join(kept) + text[start:], calls
+
+    def _call(self, block: str) -> tuple[ToolCall | None, str]:
+        """A block's call, or (None, why it is not one)."""
+        try:
+            call = json.loads(block)
+            name, arguments = call["name"], _arguments(call)
+        except (json.JSONDecodeError, TypeError, KeyError, ValueError) as e:
+            return None, f"it is not {{\"name\": ..., \"arguments\": {{...}}}} ({type(e).__name__})"
+        if not isinstance(name, str) or name not in self.functions:
+            return None, f"it names no tool of the request ({str(name)[:64]!r})"
+        if not json_checker(json.dumps(self.functions[name]["parameters"])).matches(arguments):
+            return None, f"its arguments do not satisfy {name}'s parameters"
+        return ToolCall(name, json.dumps(arguments)), ""
+
+
+def _arguments(call: dict) -> dict:
+    """A call's arguments: an object, or a JSON string holding one; ValueError otherwise."""
+    arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        raise ValueError("arguments must be an object")
+    return arguments
 
 
 def read_tools(body: dict) -> Tools | None:
@@ -137,6 +177,12 @@ def read_tools(body: dict) -> Tools | None:
     if choice in (None, "auto", "none", "required"):
         if choice == "none":
             return None
+        if choice in (None, "auto"):  # calls are checked against their parameters: each must be checkable
+            for i, (name, function) in enumerate(functions.items()):
+                try:
+                    json_checker(json.dumps(function["parameters"]))
+                except ValidationError as e:
+                    raise ToolError(f"tools[{i}].function.parameters", e.message) from None
         return Tools(functions, choice or "auto", parallel=parallel is not False)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
@@ -224,12 +270,15 @@ class ToolStream:
         """The deltas once the answer is whole; `called` says whether it was a call."""
         if self.tools.choice == "named":
             return []
-        content, calls = self.tools.parse(self.text)
-        if not calls:
-            rest = self.text[self.sent:]
-            return [{"content": rest}] if rest else []
-        self.called = True
-        return [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
+        if self.tools.choice == "required":
+            content, calls = self.tools.parse(self.text)
+            content = content or ""
+        else:  # the content not sent yet: what the calls leave of the text after the first call could begin
+            content, calls = self.tools.read_blocks(self.text)
+            content = content[self.sent:] if calls else self.text[self.sent:]
+        self.called = bool(calls)
+        deltas = [{"content": content}] if content.strip() or (content and not calls) else []
+        return deltas + [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
 
 
 def _partial_marker(text: str) -> int:

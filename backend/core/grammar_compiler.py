@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import json
 import re
 import threading
+from typing import Any
 
 import xgrammar
 
-from backend.core.json_schema import SchemaLimits, check_repetitions, prepare
+from backend.core.json_schema import SchemaLimits, check_repetitions, in_schema_order, prepare
 from backend.errors import ValidationError
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
@@ -154,6 +156,41 @@ class GrammarCompiler:
 
 _STRICT_JSON = dict(any_whitespace=False, strict_mode=True)
 _FREE_JSON = dict(any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=False)
+
+
+class JsonChecker:
+    """Whether a JSON value satisfies a schema, by the grammar a `json` constraint compiles for it
+    (read as JSON Schema reads it: `"x-strict": false`), matched over a byte vocabulary, so no
+    tokenizer is needed: a tool call's arguments, checked the way a forced call is constrained.
+    ValidationError for a schema with a keyword that cannot be enforced."""
+
+    def __init__(self, schema: Any):
+        self.schema = prepare(schema, _CHECK_LIMITS, strict=False)
+        try:
+            self.compiled = _byte_compiler().compile_json_schema(json.dumps(self.schema), **_FREE_JSON)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValidationError("guided_decoding", f"json does not compile: {_first_line(e)}") from None
+
+    def matches(self, value: Any) -> bool:
+        text = json.dumps(in_schema_order(value, self.schema), ensure_ascii=False)
+        matcher = xgrammar.GrammarMatcher(self.compiled, terminate_without_stop_token=True)
+        return matcher.accept_string(text) and matcher.is_terminated()
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def json_checker(schema_text: str) -> JsonChecker:
+    """The JsonChecker of a schema's JSON text, kept for the next request with the same schema."""
+    return JsonChecker(json.loads(schema_text))
+
+
+@functools.cache
+def _byte_compiler() -> xgrammar.GrammarCompiler:
+    info = xgrammar.TokenizerInfo([bytes([i]) for i in range(256)])
+    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+# checking costs far less than constraining a 50k-token vocabulary: properties as many as strict allows
+_CHECK_LIMITS = SchemaLimits(max_free_properties=SchemaLimits().max_properties)
 
 
 def choice_grammar(choices: list[str]) -> str:

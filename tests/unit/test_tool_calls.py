@@ -96,9 +96,11 @@ def test_requests_openai_refuses(body, param):
 
 
 @pytest.mark.parametrize("response_format,guide", [
-    ({"type": "text"}, None), ({"type": "json_object"}, {"json_object": True}),
+    ({"type": "text"}, None), ({"type": "json_object"}, {"json": {"type": "object", "x-strict": False}}),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}},
      {"json": {"type": "object"}}),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+     {"json": {"type": "object", "x-strict": False}}),
 ])
 def test_response_format_becomes_guided_decoding(response_format, guide):
     request = chat_inputs({"messages": [{"role": "user", "content": "hi"}], "response_format": response_format})
@@ -112,3 +114,74 @@ def test_response_format_with_a_forced_call_is_refused():
         chat_inputs({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "required",
                      "response_format": {"type": "json_object"}})
     assert error.value.param == "response_format"
+
+
+def test_response_format_with_tools_in_auto_mode_is_refused():
+    """The format constrains the whole answer, so a <tool_call> could never be written."""
+    for choice in ("auto", None):
+        with pytest.raises(OpenAIError) as error:
+            chat_inputs({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": choice,
+                         "response_format": {"type": "json_object"}})
+        assert error.value.param == "response_format" and "tool_choice 'auto'" in str(error.value)
+    chat_inputs({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "none",
+                 "response_format": {"type": "json_object"}})  # no tools shown: the format alone
+
+
+def block(name: str, arguments) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+BROKEN = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \n</tool_call>"
+
+
+@pytest.mark.parametrize("bad", [BROKEN, block("get_stock", {"symbol": "X"}), block("get_weather", {"city": 7}),
+                                 block("get_weather", {}), block("get_weather", [1])],
+                         ids=["malformed", "unknown_name", "wrong_type", "missing_required", "not_an_object"])
+def test_a_bad_block_stays_content_and_the_calls_that_parsed_are_kept(bad, caplog):
+    text = f"Checking.\n{block('get_weather', {'city': 'Paris'})}\n{bad}\n{block('get_time', {})}\nDone."
+    with caplog.at_level("INFO", logger="serving.tool_calls"):
+        content, calls = tools().parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert content == f"Checking.\n\n{bad}\n\nDone."
+    assert "left as content" in caplog.text
+
+
+def test_arguments_as_a_json_string_extra_keys_and_key_order_are_taken():
+    content, calls = tools().parse(block("get_weather", json.dumps({"city": "Oslo"})) + "\nThat is all.")
+    assert content == "That is all." and json.loads(calls[0].arguments) == {"city": "Oslo"}
+    unit = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city"]}}}
+    auto = read_tools({"tools": [unit]})
+    assert auto.parse(block("get_weather", {"unit": "c", "city": "Rome", "note": "x"}))[1]  # JSON Schema allows both
+    assert not auto.parse(block("get_weather", {"unit": "k", "city": "Rome"}))[1]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_in_auto_mode():
+    text = block("get_weather", {"city": "Paris"}) + "\n" + block("get_time", {})
+    assert [c.name for c in tools(parallel=False).parse(text)[1]] == ["get_weather"]
+    assert [c.name for c in tools().parse(text)[1]] == ["get_weather", "get_time"]
+
+
+def test_a_tool_whose_parameters_cannot_be_checked_is_refused_in_auto_mode():
+    sets = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
+    with pytest.raises(ToolError) as error:
+        read_tools({"tools": [WEATHER, sets]})
+    assert error.value.param == "tools[1].function.parameters" and "'uniqueItems' is not supported" in str(error.value)
+
+
+@pytest.mark.parametrize("text", [
+    "Let me check.\n" + CALL + "\nAnd the time: " + block("get_time", {}) + " done",
+    "No call here <tool_call> {broken",
+    block("get_weather", {"city": "Paris"}) + BROKEN + "tail",
+    "plain answer",
+])
+def test_streamed_auto_answers_give_the_same_calls_and_content_as_whole_ones(text):
+    whole_content, whole_calls = tools().parse(text)
+    stream = ToolStream(tools())
+    deltas = [d for i in range(0, len(text), 7) for d in stream.feed(text[i:i + 7])] + stream.finish()
+    streamed = "".join(d.get("content", "") for d in deltas)
+    calls = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+    assert streamed.strip() == (whole_content or "").strip() and stream.called == bool(whole_calls)
