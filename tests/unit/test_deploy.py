@@ -204,3 +204,88 @@ def test_the_images_files_belong_to_root():
     instructions = [instruction for instruction, _ in _dockerfile()]
     last_user = len(instructions) - 1 - instructions[::-1].index("USER")
     assert not {"COPY", "ADD", "RUN"} & set(instructions[last_user:]), "files made after USER belong to it"
+
+
+# The argoproj.io/v1alpha1 AnalysisTemplate CRD's schema for what a web metric uses (spec.args,
+# spec.metrics[] and provider.web), with unknown fields refused: the API server would prune a
+# misspelt field silently and the analysis would run without it.
+INT_OR_STRING = {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+DURATION = {"type": "string", "pattern": r"^\d+(ms|s|m|h)$"}
+ANALYSIS_TEMPLATE_SCHEMA = {
+    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "argoproj.io/v1alpha1"}, "kind": {"const": "AnalysisTemplate"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {"type": "object", "required": ["metrics"], "additionalProperties": False, "properties": {
+            "args": {"type": "array", "items": {
+                "type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+                    "name": {"type": "string"}, "value": {"type": "string"},
+                    "valueFrom": {"type": "object", "additionalProperties": False, "properties": {
+                        "secretKeyRef": {"type": "object", "required": ["name", "key"], "additionalProperties": False,
+                                         "properties": {"name": {"type": "string"}, "key": {"type": "string"}}},
+                        "fieldRef": {"type": "object", "required": ["fieldPath"],
+                                     "properties": {"fieldPath": {"type": "string"}}}}}}}},
+            "dryRun": {"type": "array"}, "measurementRetention": {"type": "array"},
+            "metrics": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["name", "provider"], "additionalProperties": False, "properties": {
+                    "name": {"type": "string"}, "interval": DURATION, "initialDelay": DURATION, "count": INT_OR_STRING,
+                    "successCondition": {"type": "string"}, "failureCondition": {"type": "string"},
+                    "failureLimit": INT_OR_STRING, "inconclusiveLimit": INT_OR_STRING,
+                    "consecutiveErrorLimit": INT_OR_STRING, "consecutiveSuccessLimit": INT_OR_STRING,
+                    "provider": {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
+                        "web": {"type": "object", "required": ["url"], "additionalProperties": False, "properties": {
+                            "url": {"type": "string"}, "method": {"enum": ["GET", "POST", "PUT"]},
+                            "headers": {"type": "array", "items": {
+                                "type": "object", "required": ["key", "value"], "additionalProperties": False,
+                                "properties": {"key": {"type": "string"}, "value": {"type": "string"}}}},
+                            "body": {"type": "string"}, "jsonBody": {}, "jsonPath": {"type": "string"},
+                            "timeoutSeconds": {"type": "integer", "minimum": 1}, "insecure": {"type": "boolean"}}}}}}}},
+        }},
+    },
+}
+
+
+def _analysis_template() -> dict:
+    [document] = yaml.safe_load_all((DEPLOY / "argo" / "analysis-template.yaml").read_text())
+    return document
+
+
+def test_the_analysis_template_validates_against_the_crds_schema():
+    import jsonschema
+
+    template = _analysis_template()
+    jsonschema.validate(template, ANALYSIS_TEMPLATE_SCHEMA)
+    misspelt = json.loads(json.dumps(template))
+    misspelt["spec"]["metrics"][0]["sucessCondition"] = misspelt["spec"]["metrics"][0].pop("successCondition")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(misspelt, ANALYSIS_TEMPLATE_SCHEMA)
+    used = set(re.findall(r"\{\{args\.([\w-]+)\}\}", json.dumps(template["spec"]["metrics"])))
+    assert used == {a["name"] for a in template["spec"]["args"]}
+    secret = template["spec"]["args"][2]["valueFrom"]["secretKeyRef"]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in _pod()["spec"]["containers"][0]["env"] if "valueFrom" in e}
+    assert (secret["name"], secret["key"]) == (env["SPECSERVE_API_KEY"]["name"], env["SPECSERVE_API_KEY"]["key"])
+
+
+def test_the_analysis_template_fails_the_canary_exactly_when_the_verdict_is_worse():
+    """The web metric's jsonPath, run on the gateway's own report, gives the arm's decision; the
+    conditions pass "better" and "no difference" and fail "worse"."""
+    from serving.ab_verdict import Verdict
+
+    metric = _analysis_template()["spec"]["metrics"][0]
+    web = metric["provider"]["web"]
+    assert web["url"] == "{{args.gateway}}/v1/experiment" and metric["failureLimit"] == 0
+    path = web["jsonPath"].replace("{{args.arm}}", "speculative")
+    assert re.fullmatch(r"\{\$\.[\w.]+\}", path)
+    report = json.loads(json.dumps(Verdict(["control", "speculative"]).report()))
+    value = report
+    for key in path[3:-1].split("."):
+        value = value[key]
+
+    def holds(condition: str, result: str) -> bool:
+        operator, literal = re.fullmatch(r'result (==|!=) "([^"]*)"', condition).groups()
+        return (result == literal) == (operator == "==")
+
+    assert value == "no difference"
+    for decision in ("better", "no difference", "worse"):
+        assert holds(metric["successCondition"], decision) == (decision != "worse")
+        assert holds(metric["failureCondition"], decision) == (decision == "worse")
