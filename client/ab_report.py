@@ -33,7 +33,8 @@ def fetch(url: str, path: str) -> dict:
 def replay(log: str, control: str, experiment: str | None = None) -> dict:
     """The verdict over a request log, looking after every request."""
     from serving.ab_log import RequestColumns, read_log
-    from serving.ab_verdict import Verdict, VerdictConfig
+    from serving.ab_metrics import VerdictConfig
+    from serving.ab_verdict import Verdict
     from serving.rollout import load_experiment
 
     config = load_experiment(experiment)[1] if experiment else VerdictConfig()

@@ -21,7 +21,8 @@ import numpy as np
 
 from serving.ab_log import RequestColumns
 from serving.ab_recorder import ExperimentRecorder
-from serving.ab_verdict import Verdict, VerdictConfig
+from serving.ab_metrics import VerdictConfig
+from serving.ab_verdict import Verdict
 from serving.experiment import Arm, Experiment
 from serving.rollout import Rollout, RolloutPlan
 

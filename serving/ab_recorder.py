@@ -22,7 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from serving.ab_log import LATENCIES, LoggedRequest, RequestColumns, RequestLog, hash_user, read_log
-from serving.ab_verdict import HISTOGRAM_EDGES, Verdict, VerdictConfig
+from serving.ab_metrics import VerdictConfig
+from serving.ab_verdict import HISTOGRAM_EDGES, Verdict
 from serving.experiment import Experiment
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -49,7 +49,7 @@ from client.stream import (
 )
 from serving.ab_log import LATENCIES
 from serving.ab_recorder import ExperimentRecorder
-from serving.ab_verdict import VerdictConfig
+from serving.ab_metrics import VerdictConfig
 from serving.experiment import Assignment, Experiment, ExperimentError
 from serving.rollout import Rollout, RolloutPlan, load_experiment
 from serving.launcher import ADMIN_HEADER  # the operator's admin key, as tritonserver's restricted APIs take it

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving.ab_recorder import ExperimentRecorder, write_json
-from serving.ab_verdict import METRICS, VerdictConfig, VerdictError
+from serving.ab_metrics import METRICS, VerdictConfig, VerdictError
 from serving.experiment import Experiment, ExperimentError
 
 

@@ -18,7 +18,8 @@ from scipy.stats import binom
 
 from perf.ab_simulation import ARMS, Scenario, a_a_scenarios, run, simulate_rollout
 from serving.ab_log import RequestColumns
-from serving.ab_verdict import ALPHA, Verdict
+from serving.ab_metrics import ALPHA
+from serving.ab_verdict import Verdict
 from serving.rollout import RolloutPlan
 
 RUNS = 200

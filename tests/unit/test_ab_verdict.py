@@ -13,7 +13,8 @@ import pytest
 from perf.ab_simulation import ARMS, Scenario, simulate
 from serving.ab_log import RequestColumns
 from serving.ab_sequential import Moments, UserMoments, compare, log_mixture_ratio, radius
-from serving.ab_verdict import TAIL_BURN_IN, Verdict, VerdictConfig, VerdictError
+from serving.ab_metrics import TAIL_BURN_IN, VerdictConfig, VerdictError
+from serving.ab_verdict import Verdict
 
 TAUS = (0.025, 0.05, 0.1, 0.2, 0.4)
 

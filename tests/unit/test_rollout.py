@@ -9,7 +9,7 @@ import pytest
 
 from perf.ab_simulation import ARMS, Scenario, Traffic
 from serving.ab_recorder import ExperimentRecorder
-from serving.ab_verdict import VerdictConfig
+from serving.ab_metrics import VerdictConfig
 from serving.experiment import Experiment
 from serving.rollout import Rollout, RolloutPlan
 
