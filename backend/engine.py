@@ -137,18 +137,35 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, model, hf_config) -> None:
+        """Everything after the target's weights are loaded, stage by stage."""
         self.eos_token_ids = self._eos_token_ids(config.model)
         self.vocab_size = model.args.vocab_size
         self.attention = make_attention_backend(config.attention_backend, self.device)
-        self.draft_model = None
-        eagle = config.speculative_method == "eagle"  # a head on the target's hidden states
+        self.draft_model = self._load_draft(config, model)
+        self._choose_linear_kernels(config, model)
+        self.num_blocks = self._size_kv_pool(config, model)
+        self._build_scheduling(config)
+        self._build_runners(config, model)
+        self._build_speculation(config)
+        self._prepare_steps(config)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.block_manager, self.requests,
+                                                self.max_model_len)
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.peak_blocks_used = 0
+
+    def _load_draft(self, config: EngineConfig, model):
+        """The draft model or EAGLE head speculation drafts with; None without one."""
         if config.speculative_method == "draft":
-            self.draft_model = load_draft_model(
-                config.draft_model, model, self.tokenizer, config.draft_dtype, self.device, self.max_model_len
-            )
-        elif eagle:
-            self.draft_model = load_eagle_head(config.draft_model, model, config.draft_dtype, self.device,
-                                               self.max_model_len, config.model)
+            return load_draft_model(config.draft_model, model, self.tokenizer, config.draft_dtype, self.device,
+                                    self.max_model_len)
+        if config.speculative_method == "eagle":  # a head on the target's hidden states
+            return load_eagle_head(config.draft_model, model, config.draft_dtype, self.device, self.max_model_len,
+                                   config.model)
+        return None
+
+    def _choose_linear_kernels(self, config: EngineConfig, model) -> None:
+        """Triton kernels on CUDA, and the fastest linear kernel per weight shape, measured at load."""
         self.linear_choices: dict[str, dict] = {}  # model -> weight shape -> small-batch kernel choice
         for name, m in (("target", model), ("draft", self.draft_model)):
             if m is None:
@@ -163,24 +180,37 @@ class LLMEngine:
             self.linear_choices["target"] = tune_cpu_linears(model)
         if copies and self.draft_model is not None:
             self.linear_choices["draft"] = tune_cpu_linears(self.draft_model)
+
+    def _size_kv_pool(self, config: EngineConfig, model) -> int:
+        """KV blocks for the memory budget (target, draft and the head's feature pool per block);
+        the EAGLE feature pool is made here."""
+        eagle = config.speculative_method == "eagle"
         bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
         if self.draft_model is not None:
             bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.draft_dtype)
         if eagle:  # the target's features at every slot, for the head
             bytes_per_block += config.block_size * self.draft_model.feature_width * self.dtype.itemsize
-        self.num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(bytes_per_block)
-        if self.num_blocks < 2:
-            raise ValidationError("kv_cache_memory_bytes", f"room for {self.num_blocks} KV blocks; need >= 2")
+        num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(bytes_per_block)
+        if num_blocks < 2:
+            raise ValidationError("kv_cache_memory_bytes", f"room for {num_blocks} KV blocks; need >= 2")
         if eagle:  # written by the target's forwards, read by the head's (padding rows write the last)
             model.feature_pool = self.draft_model.feature_pool = torch.zeros(
-                self.num_blocks * config.block_size + 1, self.draft_model.feature_width, dtype=self.dtype,
+                num_blocks * config.block_size + 1, self.draft_model.feature_width, dtype=self.dtype,
                 device=self.device)
             model.feature_layers = self.draft_model.feature_layers
+        return num_blocks
+
+    def _build_scheduling(self, config: EngineConfig) -> None:
+        """Request limits, constraints, KV blocks and the scheduler."""
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.block_size, self.num_blocks,
                                     tuple(sorted(self.eos_token_ids)))
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}  # request id -> everything about it, until its last output
+
+    def _build_runners(self, config: EngineConfig, model) -> None:
+        """The target's executor (with the other ranks behind it, if any) and the sampler."""
         self.host_waits = HostWaits()  # every wait of the host for the device, per step
         self.runner: Executor = ModelRunner(model, self.attention, self.num_blocks, config.block_size, self.device,
                                             self.dtype, self.host_waits)
@@ -189,12 +219,16 @@ class LLMEngine:
             pipelined = config.pipeline_parallel_size > 1
             self.runner = (PipelineExecutor if pipelined else TensorParallelExecutor)(self.runner, self.workers)
         self.sampler = Sampler(config.seed)
+
+    def _build_speculation(self, config: EngineConfig) -> None:
+        """The proposer and the speculator; overlapped steps and how many steps are in flight."""
         proposer: Proposer | None = None
         if self.draft_model is not None:
             draft_runner = ModelRunner(
                 self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.draft_dtype,
                 self.host_waits,
             )
+            eagle = config.speculative_method == "eagle"
             proposer = (EagleProposer if eagle else DraftProposer)(draft_runner, self.sampler, self.vocab_size)
         elif config.speculative_method == "ngram":
             proposer = NgramProposer()
@@ -205,7 +239,6 @@ class LLMEngine:
         self.overlap = config.async_scheduling if config.async_scheduling is not None else (
             self.device.type == "cuda" and proposer is None and config.pipeline_parallel_size == 1)
         adaptive = config.adaptive_speculation and config.pipeline_parallel_size == 1
-        self.requests: dict[str, Request] = {}  # request id -> everything about it, until its last output
         self.speculator = Speculator(proposer, config.num_speculative_tokens, adaptive, self.device,
                                      draft_budget=config.max_num_batched_tokens, live=self.requests)
         pipelined = config.pipeline_parallel_size > 1
@@ -213,22 +246,21 @@ class LLMEngine:
         self.depth = config.max_batches_in_flight if pipelined else 1 + self.overlap
         self.max_requests_per_step = -(-config.max_num_seqs // self.depth) if pipelined else None
         self.in_flight: collections.deque[InFlightStep] = collections.deque()  # launched, not read back; oldest first
+
+    def _prepare_steps(self, config: EngineConfig) -> None:
+        """CUDA graphs of the uniform steps, or the CPU's compiled steps, asked for."""
+        proposer = self.speculator.proposer
         query_lens = target_graph_query_lens(config, self.device, self.attention)
         if query_lens:  # the target: decode steps, and verifications of num_speculative_tokens drafts each
             # (under tensor parallelism every worker captures the same graphs with it);
             # the draft: its one-token forwards, and its first after a verification (2 tokens)
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, query_lens)
-            if proposer is not None and proposer.runner is not None and not eagle:  # (the head runs eagerly)
-                proposer.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, 2))
+            if proposer is not None and proposer.runner is not None and config.speculative_method != "eagle":
+                proposer.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, 2))  # (the head runs eagerly)
         if config.compile_decode and self.device.type == "cpu":  # (on CUDA decode steps replay graphs)
             self.runner.compile_decode()
         if config.compile_prefill and self.device.type == "cpu":
             self.runner.compile_prefill()
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.block_manager, self.requests,
-                                                self.max_model_len)
-        self._ids = itertools.count()
-        self.prompt_tokens_total = 0
-        self.peak_blocks_used = 0
 
     @property
     def fault_hook(self) -> FaultHook | None:
