@@ -140,7 +140,7 @@ class GrammarCompiler:
     def _compile(self, kind: str, value, options: dict) -> xgrammar.CompiledGrammar:
         try:
             if kind in ("json", "json_object"):
-                compiled = self.compiler.compile_json_schema(value, **options)
+                compiled = self.compiler.compile_grammar(json_grammar(value, options))
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(value)
             elif kind == "choice":
@@ -154,6 +154,19 @@ class GrammarCompiler:
         return compiled
 
 
+def json_grammar(schema: str, options: dict) -> xgrammar.Grammar | str:
+    """xgrammar's grammar for a JSON Schema, with one repair: a string with minLength or maxLength
+    is written character by character, and xgrammar (0.2.9) lets those characters be raw control
+    characters (invalid JSON) and no escapes; here they are JSON's string characters, an escape
+    counting as one."""
+    grammar = xgrammar.Grammar.from_json_schema(schema, **options)
+    text = str(grammar)
+    repaired = _LENGTH_CHARACTERS.sub(lambda match: match.group(1) + _JSON_CHARACTER, text)
+    return repaired if repaired != text else grammar
+
+
+_LENGTH_CHARACTERS = re.compile(r'^(\w+_characters ::= )\(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_JSON_CHARACTER = r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
 _STRICT_JSON = dict(any_whitespace=False, strict_mode=True)
 _FREE_JSON = dict(any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=False)
 
@@ -167,7 +180,7 @@ class JsonChecker:
     def __init__(self, schema: Any):
         self.schema = prepare(schema, _CHECK_LIMITS, strict=False)
         try:
-            self.compiled = _byte_compiler().compile_json_schema(json.dumps(self.schema), **_FREE_JSON)
+            self.compiled = _byte_compiler().compile_grammar(json_grammar(json.dumps(self.schema), _FREE_JSON))
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValidationError("guided_decoding", f"json does not compile: {_first_line(e)}") from None
 

@@ -62,6 +62,15 @@ KEYWORDS = ANNOTATIONS | REFUSED | frozenset(
     + ("type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions"))
 FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
                      "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+# formats xgrammar reads loosely (2023-02-30, year 0000, 01.2.3.4): RFC 3339's and RFC 2673's exact
+# forms, a little stricter (no February 29th, no leap second)
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+              "|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMAT_PATTERNS = {"date": f"^{_YEAR}-{_MONTH_DAY}$", "date-time": f"^{_YEAR}-{_MONTH_DAY}T{_TIME}$",
+                   "time": f"^{_TIME}$", "ipv4": f"^{_OCTET}(?:\\.{_OCTET}){{3}}$"}
 # regex constructs xgrammar ignores (lookaround) or cannot compile (backreferences, \b, \p{...})
 UNSUPPORTED_REGEX = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<|\\[bBpP]")
 SCHEMA = (dict, bool)
@@ -76,6 +85,7 @@ SHAPES: dict[str, tuple[type | tuple[type, ...], str]] = {  # keyword -> (its va
     **{k: ((int, float), "a number") for k in NUMBER_KEYWORDS + ("minLength", "maxLength", "minItems", "maxItems",
                                                                 "minProperties", "maxProperties")},
 }
+MAX_MULTIPLES = 256  # an integer's multipleOf between bounds becomes the enum of these at most
 MAX_MERGE_DEPTH = 16  # allOf / $ref levels merged into one schema
 REPETITION = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
@@ -319,6 +329,10 @@ class _Walker:
             if lengths or "format" in schema:
                 raise refuse(lengths[0] if lengths else "format", path, "beside 'pattern'")
             schema["pattern"] = self.pattern(schema["pattern"], path)
+        if schema.get("format") in FORMAT_PATTERNS:
+            if lengths:
+                raise refuse(lengths[0], path, "beside 'format'")
+            schema["pattern"] = search_as_match(FORMAT_PATTERNS[schema.pop("format")])
         if "format" in schema:
             if schema["format"] not in FORMATS:
                 raise refuse("format", path, f"with the value {str(schema['format'])[:40]!r}; supported: "
@@ -351,6 +365,9 @@ class _Walker:
         if "unevaluatedItems" in schema:  # every applicator is merged already: the same as items
             uneval = schema.pop("unevaluatedItems")
             schema.setdefault("items", uneval)
+        arrays = schema.get("type") == "array" or "array" in _list(schema.get("type"))
+        if arrays and "items" not in schema and "prefixItems" not in schema:
+            schema["items"] = True  # strict or not, when the schema says nothing of the items
         if "items" in schema:
             schema["items"] = self.prepare(schema["items"], f"{path}/items", depth + 1)
         if "prefixItems" in schema:
@@ -471,6 +488,8 @@ def _numbers(schema: dict, path: str) -> None:
         if not integers or step <= 0 or not float(step).is_integer():
             raise refuse("multipleOf", path, "except a positive whole number on type integer")
         schema["multipleOf"] = int(step)
+        if any(k in schema for k in NUMBER_KEYWORDS[:4]):  # xgrammar drops multipleOf beside a bound
+            return _multiples(schema, path)
     if integers:  # xgrammar takes whole bounds only: 1.5 <= n is 2 <= n
         for k, whole in (("minimum", math.ceil), ("maximum", math.floor)):
             if isinstance(schema.get(k), float):
@@ -479,6 +498,24 @@ def _numbers(schema: dict, path: str) -> None:
 
 def _list(value: Any) -> list:
     return value if isinstance(value, list) else []
+
+
+def _multiples(schema: dict, path: str) -> None:
+    """An integer's multipleOf beside its bounds, as the enum of the multiples in range."""
+    lows = [math.ceil(schema["minimum"])] if "minimum" in schema else []
+    lows += [math.floor(schema["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in schema else []
+    highs = [math.floor(schema["maximum"])] if "maximum" in schema else []
+    highs += [math.ceil(schema["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in schema else []
+    step = schema["multipleOf"]
+    if not lows or not highs or (min(highs) - max(lows)) // step > MAX_MULTIPLES:
+        raise refuse("multipleOf", path, f"beside minimum / maximum unless both bound it to {MAX_MULTIPLES} values")
+    low, high = max(lows), min(highs)
+    values = list(range(low + (-low) % step, high + 1, step))
+    if not values:
+        raise ValidationError(FIELD, f"no multiple of {step} lies within the bounds: no output matches (at {path})")
+    for k in NUMBER_KEYWORDS:
+        schema.pop(k, None)
+    schema["enum"] = values
 
 
 def _escape(name: str) -> str:

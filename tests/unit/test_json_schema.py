@@ -83,7 +83,12 @@ ENFORCED = {
         "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["children"]}},
         "$ref": "#/$defs/node"}, [{"children": [{"children": []}]}], [{"children": [1]}]),
     "multipleOf_integer": ({"type": "integer", "multipleOf": 5, "minimum": 7, "maximum": 30}, [10, 30], [5, 11, 35]),
-    "format_date": ({"type": "string", "format": "date"}, ["2024-01-31"], ["2024-1-31"]),
+    "format_date": ({"type": "string", "format": "date"}, ["2024-01-31"], ["2024-1-31", "2023-02-30", "0000-01-01"]),
+    "format_date_time": ({"type": "string", "format": "date-time"}, ["2024-01-31T23:59:59.5+02:00"],
+                         ["2024-04-31T10:00:00Z", "2024-01-31T10:00:60Z", "2024-01-31"]),
+    "format_ipv4": ({"type": "string", "format": "ipv4"}, ["10.0.0.255"], ["01.2.3.4", "256.0.0.1"]),
+    "array_without_items": ({"type": "array", "maxItems": 2}, [[1, "a"], []], [[1, 2, 3]]),
+    "string_length_counts_an_escape_once": ({"type": "string", "maxLength": 3}, ["a\nb", 'a"b'], ["abcd"]),
     "title_and_extension_keys_dropped": ({"type": "integer", "title": "n", "nullable": True, "x-unit": "s"}, [1], [None]),
 }
 
@@ -98,6 +103,12 @@ def test_every_keyword_kept_is_enforced_by_the_grammar(grammars, name, strict):
     for value in invalid:
         assert not accepts(compiled, dumps(value, strict)), value
         assert not accepts(compiled, json.dumps(value, separators=(",", ":"))), value
+
+
+def test_a_length_bounded_string_is_a_json_string(grammars):
+    """xgrammar alone lets raw control characters into it, which no JSON parser takes."""
+    compiled = compile_json(grammars, {"type": "string", "maxLength": 4})
+    assert accepts(compiled, '"a\\tb"') and not accepts(compiled, '"a\x06b"') and not accepts(compiled, '"a\tb"')
 
 
 REFUSED = {
