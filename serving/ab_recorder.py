@@ -24,7 +24,7 @@ from pathlib import Path
 from serving.ab_log import LATENCIES, LoggedRequest, RequestColumns, RequestLog, hash_user, read_log
 from serving.ab_metrics import VerdictConfig
 from serving.ab_verdict import HISTOGRAM_EDGES, Verdict
-from serving.experiment import Experiment
+from serving.experiment import Experiment, ExperimentError
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FLUSH_EVERY = 256  # requests held before the verdict takes them in (it looks after each either way)
@@ -56,13 +56,15 @@ class ExperimentRecorder:
 
     def _resume(self) -> None:
         """Read an existing log back through the verdict; take the saved weights and period."""
+        saved = json.loads(self.weights_path.read_text()) if self.weights_path.exists() else {}
+        if saved and saved.get("experiment") != self.experiment.name:
+            raise ExperimentError(f"{self.log_path} is experiment {saved.get('experiment')!r}'s log, not "
+                                  f"{self.experiment.name!r}'s: give each experiment its own log")
         for records in read_log(self.log_path):
             records = [r for r in records if r["arm"] in self.verdict.arms]
             self.verdict.add(RequestColumns.from_records(records))
             self.period = max([self.period, *(int(r.get("period", 0)) for r in records)])
-        saved = json.loads(self.weights_path.read_text()) if self.weights_path.exists() else {}
-        if saved.get("experiment") == self.experiment.name and set(saved.get("weights", {})) == \
-                {a.name for a in self.experiment.arms}:
+        if set(saved.get("weights", {})) == {a.name for a in self.experiment.arms}:
             self.experiment = self.experiment.with_weights(saved["weights"])
             self.period = max(self.period, int(saved["period"]))
         self._save()

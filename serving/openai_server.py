@@ -226,7 +226,8 @@ class ExperimentGate:
     def stalled_s(self, arm: str) -> float:
         """How long the arm's longest-waiting request in flight has gone without a token."""
         now = time.monotonic()
-        return max((now - (g.last_token_at or g.started) for g, a in self.in_flight.items() if a == arm), default=0.0)
+        return max((now - (g.last_token_at or g.started) for g, a in self.in_flight.items()
+                    if a == arm and g.reader is not None and not g.done.is_set()), default=0.0)
 
     async def guard_rollout(self, interval_s: float) -> None:
         """Judge the rollout every interval_s; it moves the weights on an advance or rollback."""
@@ -396,22 +397,24 @@ async def _serve(request: Request, client, served_model: str, kind: str, parse, 
 
 
 async def _whole(request: Request, generation: TritonGeneration, reply: Reply, record=None) -> dict:
-    """Gather the answer; stop it on the server if the client leaves first. `record(finish
-    reason)` is told how it ended (an experiment's measurement)."""
+    """Gather the answer; stop it on the server if the client leaves first. `record(status,
+    finish reason)` is told how it ended (an experiment's measurement)."""
     gathered = Accumulator()
     watcher = asyncio.create_task(_watch_disconnect(request, generation))
+    outcome = "cancelled"  # until the answer or an error comes
     try:
         async for outputs in generation.responses():
             gathered.add(outputs)
+        outcome = "ok"
     except OpenAIError as error:
-        if record is not None:
-            record(_status(error))
+        outcome = _status(error)
         raise
     finally:
-        gone = watcher.done()  # the client left and the request was stopped
+        if watcher.done():  # the client left and the request was stopped
+            outcome = "cancelled"
         watcher.cancel()
-    if record is not None:
-        record("cancelled" if gone else "ok", gathered.finish_reason or "stop")
+        if record is not None:
+            record(outcome, gathered.finish_reason or "stop")
     return reply.whole(gathered)
 
 
@@ -450,10 +453,11 @@ async def _events(request: Request, generation: TritonGeneration, reply: Reply, 
             record(_status(error))
         yield _event(error.body())
     except (asyncio.CancelledError, GeneratorExit):
-        if record is not None:
-            record("cancelled")
         await asyncio.shield(generation.stop())
         raise
+    finally:
+        if record is not None:
+            record("cancelled")  # unless recorded above: the client left
 
 
 def _event(payload: dict) -> str:
@@ -570,10 +574,12 @@ def main() -> None:
         logging.warning("no API key (--api-key or $%s): anyone who reaches port %d can use it", API_KEY_ENV, args.port)
     if rollout is not None and args.experiment_log is None:
         logging.warning("a rollout without --experiment-log starts over if the gateway restarts")
-    uvicorn.run(create_app(args.triton, args.served_model_name, guard, experiment, args.admin_key, rollout,
-                           args.rollout_interval, verdict, args.experiment_log),
-                host=args.host, port=args.port,
-                log_level="warning", timeout_graceful_shutdown=2)
+    try:
+        app = create_app(args.triton, args.served_model_name, guard, experiment, args.admin_key, rollout,
+                         args.rollout_interval, verdict, args.experiment_log)
+    except ValueError as e:  # an experiment log that is another experiment's
+        p.error(str(e))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
 
 
 if __name__ == "__main__":

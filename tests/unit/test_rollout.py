@@ -119,3 +119,14 @@ def test_another_rollouts_saved_state_is_not_taken(tmp_path):
     other = RolloutPlan(ARMS[1], (5.0, 100.0), min_requests=100)
     fresh = Rollout(other, ExperimentRecorder(EXPERIMENT, CONFIG, log))
     assert not fresh.finished and fresh.percent == 5.0
+
+
+def test_a_log_belongs_to_one_experiment(tmp_path):
+    from serving.experiment import ExperimentError
+
+    log = tmp_path / "experiment.jsonl"
+    ExperimentRecorder(EXPERIMENT, CONFIG, log)
+    other = Experiment.from_dict({"name": "another", "arms": [{"name": ARMS[0], "model": "llm"},
+                                                              {"name": ARMS[1], "model": "llm_b"}]})
+    with pytest.raises(ExperimentError, match="its own log"):
+        ExperimentRecorder(other, CONFIG, log)
