@@ -23,7 +23,7 @@ its exception in `errors`: it fails alone.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar
@@ -102,6 +102,45 @@ class SamplingMetadata:
 
 
 @dataclass(slots=True)
+class _TokenRows:
+    """(row, token) pairs: output tokens the penalties count (the drafts before a row included),
+    prompt tokens a repetition penalty sees, and tokens banned before min_tokens."""
+    output_rows: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    banned_rows: list[int] = field(default_factory=list)
+    banned_tokens: list[int] = field(default_factory=list)
+
+    def extend(self, other: _TokenRows) -> None:
+        for name in self.__slots__:
+            getattr(self, name).extend(getattr(other, name))
+
+
+def _token_rows(request: Request, draft: list[int], row: int, vocab_size: int) -> _TokenRows:
+    """One request's pairs, its rows starting at `row`; IndexError for a stop token id outside
+    the vocabulary."""
+    p = request.params
+    banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(request.eos_token_ids))
+    if any(not 0 <= t < vocab_size for t in banned):
+        raise IndexError(f"a stop token id is outside the vocabulary [0, {vocab_size})")
+    penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+    out = _TokenRows()
+    for i in range(len(draft) + 1):
+        if penalized:
+            counted = request.output_token_ids + draft[:i]
+            out.output_rows.extend([row + i] * len(counted))
+            out.output_tokens.extend(counted)
+            if p.repetition_penalty != 1.0:
+                out.prompt_rows.extend([row + i] * request.num_prompt_tokens)
+                out.prompt_tokens.extend(request.prompt_token_ids)
+        if request.num_output_tokens + i < p.min_tokens and banned:
+            out.banned_rows.extend([row + i] * len(banned))
+            out.banned_tokens.extend(banned)
+    return out
+
+
+@dataclass(slots=True)
 class _Rows:
     """One request's rows on the host."""
     temperature: float = 1.0
@@ -131,7 +170,7 @@ def build_sampling_metadata(
     errors: dict[str, Exception] = {}
     temperature, top_k, top_p, min_p, greedy, decided = [], [], [], [], [], []
     rep, freq, pres = [], [], []
-    out_rows, out_tokens, prompt_rows, prompt_tokens, banned_rows, banned_tokens = [], [], [], [], [], []
+    token_rows = _TokenRows()
     logprob_rows, max_logprobs = [], 0
     first_rows, draft_offsets, draft_request, draft_position, row_slot = [], [], [], [], []
     num_rows = sum(num_drafts) + len(requests)
@@ -149,24 +188,8 @@ def build_sampling_metadata(
         draft_position += range(k)
         row_slot += range(b * (max_k + 1), b * (max_k + 1) + k + 1)
         p = request.params
-        own = ([], [], [], [], [], [])  # this request's (out_rows, out_tokens, prompt_rows, ...) until it is built
         try:
-            banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(request.eos_token_ids))
-            if any(not 0 <= t < vocab_size for t in banned):
-                raise IndexError(f"a stop token id is outside the vocabulary [0, {vocab_size})")
-            penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            n_out = request.num_output_tokens
-            for i in range(k + 1):
-                if penalized:
-                    counted = request.output_token_ids + draft[:i]
-                    own[0].extend([row + i] * len(counted))
-                    own[1].extend(counted)
-                    if p.repetition_penalty != 1.0:
-                        own[2].extend([row + i] * request.num_prompt_tokens)
-                        own[3].extend(request.prompt_token_ids)
-                if n_out + i < p.min_tokens and banned:
-                    own[4].extend([row + i] * len(banned))
-                    own[5].extend(banned)
+            mine = _token_rows(request, draft, row, vocab_size)
             if bitmask is not None and request.guide is not None:
                 guided.append((request.guide, row, draft))
                 grammar_rows += range(row, row + k + 1)
@@ -176,11 +199,10 @@ def build_sampling_metadata(
             if is_fatal(e):
                 raise
             errors[request.request_id] = e
-            rows, penalties, own = _Rows(), (1.0, 0.0, 0.0), ([], [], [], [], [], [])
+            rows, penalties, mine = _Rows(), (1.0, 0.0, 0.0), _TokenRows()
             grammar_rows = [r for r in grammar_rows if r < row]
             guided = [g for g in guided if g[1] < row]
-        for flat, mine in zip((out_rows, out_tokens, prompt_rows, prompt_tokens, banned_rows, banned_tokens), own):
-            flat.extend(mine)
+        token_rows.extend(mine)
         if p.logprobs is not None and request.request_id not in errors:
             logprob_rows += range(row, row + k + 1)
             max_logprobs = max(max_logprobs, p.logprobs)
@@ -227,8 +249,10 @@ def build_sampling_metadata(
                               draft_request, draft_position, row_slot))
     i_seeded = [ints.add(v) for v in (seeded_rows, seed_keys, output_index, seeded_request)] if seeded_rows else None
     i_top_k = ints.add(top_k) if filters_top else None
-    i_penalty_lists = [ints.add(v) for v in (out_rows, out_tokens, prompt_rows, prompt_tokens)] if has_penalties else None
-    i_banned = [ints.add(banned_rows), ints.add(banned_tokens)] if banned_rows else None
+    t = token_rows
+    i_penalty_lists = [ints.add(v) for v in (t.output_rows, t.output_tokens, t.prompt_rows, t.prompt_tokens)] \
+        if has_penalties else None
+    i_banned = [ints.add(t.banned_rows), ints.add(t.banned_tokens)] if t.banned_rows else None
     f_temperature, f_u_drafts, f_u_last = (floats.add(v) for v in (temperature, uniform_drafts.tolist(), uniform_last.tolist()))
     f_top_p = floats.add(top_p) if filters_top else None
     f_min_p = floats.add(min_p) if any(m > 0 for m in min_p) else None
