@@ -148,7 +148,7 @@ class LLMEngine:
         self._build_runners(config, model)
         self._build_speculation(config)
         self._prepare_steps(config)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.block_manager, self.requests,
+        self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.requests,
                                                 self.max_model_len)
         self._ids = itertools.count()
         self.prompt_tokens_total = 0

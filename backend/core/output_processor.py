@@ -26,9 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, scheduler: Scheduler, block_manager: BlockManager, requests: dict[str, Request],
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, requests: dict[str, Request],
                  max_model_len: int):
-        self.tokenizer = tokenizer
         self.scheduler = scheduler  # finishes requests (their blocks freed)
         self.block_manager = block_manager
         self.requests = requests  # the engine's: a finished request leaves it with its last output
