@@ -23,7 +23,7 @@ from scripts.convert_default_model import DEFAULT_OUT, GGUF_NAME, MANIFEST, find
 TINY_PAIR = Path(__file__).resolve().parent / "fixtures" / "tiny_pair"
 NAMES = ("target", "draft")
 needs_default_model = pytest.mark.skipif(
-    not (DEFAULT_OUT / MANIFEST).is_file(), reason="run scripts/convert_default_model.py (make test does)")
+    not (DEFAULT_OUT / MANIFEST).is_file(), reason="run python -m scripts.convert_default_model (make test does)")
 CHAT_PROMPTS = [chat(p) for p in (HELDOUT_CHAT[:2] + HELDOUT_CODE[:2])]
 
 

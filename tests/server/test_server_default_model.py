@@ -17,7 +17,7 @@ from tests.server.conftest import DEFAULT_MODEL, openai_server
 pytestmark = [
     pytest.mark.server,
     pytest.mark.skipif(not (DEFAULT_MODEL / "conversion.json").is_file(),
-                       reason="run scripts/convert_default_model.py (make test does)"),
+                       reason="run python -m scripts.convert_default_model (make test does)"),
 ]
 QUESTION = chat("What is the capital of France?")
 MAX_TOKENS = 24

@@ -24,7 +24,7 @@ from tests.server.test_server_trtllm_clients import run_ensemble, tensors
 pytestmark = [
     pytest.mark.server,
     pytest.mark.skipif(not (DEFAULT_MODEL / "conversion.json").is_file(),
-                       reason="run scripts/convert_default_model.py (make test does)"),
+                       reason="run python -m scripts.convert_default_model (make test does)"),
 ]
 QUESTION = chat("Say hello in five words.")
 MAX_TOKENS = 48  # the answer ends at EOS well before

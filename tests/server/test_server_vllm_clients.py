@@ -50,7 +50,7 @@ ALL_CASES = bool(os.environ.get("SPECSERVE_ALL_VLLM_CASES"))
 # the server fixture -> the finish reason its greedy answer to PROMPT ends with
 FINISH_REASONS = {"server": "length", "smol_server": "stop"}
 NOT_CONVERTED = pytest.mark.skipif(not (DEFAULT_MODEL / "conversion.json").is_file(),
-                                   reason="run scripts/convert_default_model.py (make test does)")
+                                   reason="run python -m scripts.convert_default_model (make test does)")
 SERVED_CASES = [pytest.param("server", *case) for case in (CASES if ALL_CASES else CASES[::18])] + [
     pytest.param("smol_server", *case, marks=NOT_CONVERTED) for case in (CASES if ALL_CASES else CASES[10::54])
 ]
