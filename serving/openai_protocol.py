@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.core.grammar_compiler import STRICT_KEY
+from backend.core.json_schema import prepare
+from backend.errors import ValidationError
 from serving.tool_calls import ToolError, Tools, read_tools, render_messages
 
 MAX_TOP_LOGPROBS = 20
@@ -123,6 +125,7 @@ def _response_format(value: Any) -> dict | None:
         return None
     if kind == "json_object":
         return {"json": {"type": "object", STRICT_KEY: False}}
+    strict = isinstance(value.get("json_schema"), dict) and bool(value["json_schema"].get("strict"))
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -130,7 +133,11 @@ def _response_format(value: Any) -> dict | None:
                 or not isinstance(spec.get("strict", False), (bool, type(None))):
             raise OpenAIError('json_schema must be {"name": str, "schema": {...}, "strict": bool}',
                               param="response_format")
-        return {"json": schema if spec.get("strict") else {**schema, STRICT_KEY: False}}
+        try:  # a keyword that cannot be enforced, or a schema past the bounds, is refused here at once
+            prepare(schema, strict=strict)
+        except ValidationError as e:
+            raise OpenAIError(e.message, param="response_format") from None
+        return {"json": schema if strict else {**schema, STRICT_KEY: False}}
     raise OpenAIError('response_format type must be "text", "json_object" or "json_schema"', param="response_format")
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backend.core.grammar_compiler import json_checker
+from backend.core.json_schema import prepare
 from backend.errors import ValidationError
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -177,12 +178,7 @@ def read_tools(body: dict) -> Tools | None:
     if choice in (None, "auto", "none", "required"):
         if choice == "none":
             return None
-        if choice in (None, "auto"):  # calls are checked against their parameters: each must be checkable
-            for i, (name, function) in enumerate(functions.items()):
-                try:
-                    json_checker(json.dumps(function["parameters"]))
-                except ValidationError as e:
-                    raise ToolError(f"tools[{i}].function.parameters", e.message) from None
+        _check_parameters(functions, checked=choice != "required")
         return Tools(functions, choice or "auto", parallel=parallel is not False)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
@@ -191,7 +187,21 @@ def read_tools(body: dict) -> Tools | None:
                                        '{"type": "function", "function": {"name": ...}}')
     if named not in functions:
         raise ToolError("tool_choice", f"tool_choice names {named!r}, which is not among the tools")
+    _check_parameters(functions, checked=False)
     return Tools(functions, "named", named, parallel=parallel is not False)
+
+
+def _check_parameters(functions: dict[str, dict], checked: bool) -> None:
+    """Each tool's parameters hold no keyword that cannot be enforced (a forced call is constrained
+    by them) and, with `checked` (auto: calls are checked against them), compile to a JsonChecker."""
+    for i, function in enumerate(functions.values()):
+        try:
+            if checked:
+                json_checker(json.dumps(function["parameters"]))
+            else:
+                prepare(function["parameters"])
+        except ValidationError as e:
+            raise ToolError(f"tools[{i}].function.parameters", e.message) from None
 
 
 def render_messages(messages: list[dict], tools: Tools | None) -> list[dict]:

@@ -107,7 +107,7 @@ def prepare(schema: Any, limits: SchemaLimits = SchemaLimits(), strict: bool = T
     """The schema xgrammar compiles for `schema` (a dict or a bool); ValidationError if a keyword
     it holds cannot be enforced or the schema is past `limits` (`strict`: compiled with no
     properties beyond the schema's unless it says so)."""
-    walker = _Walker(schema, limits, limits.max_properties if strict else limits.max_free_properties)
+    walker = _Walker(schema, limits, strict)
     out = walker.prepare(schema, "#", 0)
     if walker.defs and isinstance(out, dict):
         out = {"$defs": walker.defs} | out
@@ -153,8 +153,8 @@ def _properties(schema: Any, defs: dict) -> dict:
 def check_repetitions(text: str, what: str, limits: SchemaLimits = SchemaLimits()) -> int:
     """A regex's (or grammar's) size once xgrammar expands its counted repetitions: each {n,m}
     repeats what it follows m times (n when there is no m), through nested groups. Past
-    limits.max_repetition it is refused: `[a-z]{1,1000}` compiles in a tenth of a second,
-    `[a-z]{1,10000}` in half a minute. Returns the size."""
+    limits.max_repetition it is refused: `[a-z]{1,1000}` compiles in 0.1 s (a pattern) to 2 s (a
+    regex), `[a-z]{1,10000}` in half a minute. Returns the size."""
     size = repetition_size(text)
     if size > limits.max_repetition:
         raise ValidationError(FIELD, f"{what} repeats too much: its counted repetitions ({{n,m}}) expand to {size} "
@@ -195,11 +195,11 @@ def repetition_size(text: str) -> int:
 
 
 class _Walker:
-    def __init__(self, root: Any, limits: SchemaLimits, max_properties: int):
+    def __init__(self, root: Any, limits: SchemaLimits, strict: bool):
         self.root = root
         self.limits = limits
-        self.max_properties = max_properties
-        self.mode = "when strict" if max_properties == limits.max_properties else "when not strict"
+        self.strict = strict
+        self.max_properties = limits.max_properties if strict else limits.max_free_properties
         self.properties = 0  # of every object so far
         self.defs: dict[str, Any] = {}  # output name -> prepared schema
         self.ref_names: dict[str, str] = {}  # JSON pointer in the input -> its name in defs
@@ -391,7 +391,7 @@ class _Walker:
         self.properties += len(properties) + len(patterns)
         if self.properties > self.max_properties:
             raise ValidationError(FIELD, f"the schema has more than {self.max_properties} properties in all, the most "
-                                         f"supported {self.mode} (at {path})")
+                                         f"supported when {'' if self.strict else 'not '}strict (at {path})")
         properties = dict(properties)
         for name in required:  # a required name the properties leave out: its value is whatever else is allowed
             if isinstance(name, str) and name not in properties:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import numpy as np
@@ -14,6 +15,7 @@ import openai
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from backend.core.grammar_compiler import COMPILE_TIMEOUT_S
 from client.stream import GenerationError, complete
 from tests.server.conftest import DEFAULT_MODEL, openai_server
 from tests.server.test_server_trtllm_clients import _inputs, run_ensemble
@@ -159,14 +161,17 @@ def test_openai_response_format_json_schema(openai_client, stream):
                   max_tokens=60, temperature=0,
                   response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema,
                                                                           "strict": True}})
-    if stream:
-        text = "".join(c.choices[0].delta.content or "" for c in openai_client.chat.completions.create(stream=True, **kwargs)
-                       if c.choices)
-    else:
-        text = openai_client.chat.completions.create(**kwargs).choices[0].message.content
-    jsonschema.validate(json.loads(text), schema)
+    jsonschema.validate(json.loads(_content(openai_client, stream, kwargs)), schema)
     reply = openai_client.chat.completions.create(**kwargs | {"response_format": {"type": "json_object"}})
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def _content(client, stream: bool, kwargs: dict) -> str:
+    """The answer's content, gathered from its chunks when streamed."""
+    if stream:
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    return client.chat.completions.create(**kwargs).choices[0].message.content
 
 
 def _round_trip(client, tool_choice, stream: bool):
@@ -248,3 +253,68 @@ def test_openai_bad_tools_and_formats_are_400_naming_the_parameter(openai_client
         openai_client.chat.completions.create(model="specserve", messages=QUESTION, max_tokens=8, **kwargs)
     assert error.value.body["param"] == param
     assert openai_client.chat.completions.create(model="specserve", messages=QUESTION, max_tokens=4).choices
+
+
+def _nested(depth: int) -> dict:
+    """Arrays of arrays: one JSON level per schema level, within the gateway's bound on a body's nesting."""
+    return json.loads('{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth)
+
+
+HOSTILE_OR_UNSUPPORTED = {
+    "uniqueItems": ({"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"},
+                                                              "uniqueItems": True}}},
+                    "JSON Schema keyword 'uniqueItems' is not supported"),
+    "oneOf_overlapping": ({"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 10}]},
+                          "JSON Schema keyword 'oneOf' is not supported"),
+    "deep_nesting": (_nested(40), "nests deeper than 32"),
+    "huge_regex_repetition": ({"type": "string", "pattern": "^[a-z]{1,10000}$"}, "repeats too much"),
+    "thousands_of_properties": ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1500)}},
+                                "properties in all, the most supported"),
+}
+
+
+@needs_default_model
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("name", HOSTILE_OR_UNSUPPORTED)
+def test_an_unsupported_or_hostile_schema_is_400_at_once_and_the_server_stays_ready(openai_client, name, strict):
+    """Refused before anything compiles (backend/core/json_schema.py), well within the compile
+    time bound; the next request is served."""
+    schema, message = HOSTILE_OR_UNSUPPORTED[name]
+    start = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as error:
+        openai_client.chat.completions.create(
+            model="specserve", messages=QUESTION, max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}})
+    assert time.monotonic() - start < COMPILE_TIMEOUT_S
+    assert error.value.body["param"] == "response_format" and message in error.value.body["message"]
+    assert openai_client.chat.completions.create(model="specserve", messages=QUESTION, max_tokens=4).choices
+
+
+def test_an_unsupported_keyword_is_invalid_arg_on_llm_too(server):
+    values = {"guided_decoding": {"json": {"type": "array", "contains": {"const": 1}}}}
+    with pytest.raises(GenerationError, match="guided_decoding: JSON Schema keyword 'contains' is not supported"):
+        complete(server.grpc_url, "x", max_tokens=4, sampling_parameters=values)
+    assert complete(server.grpc_url, "x", max_tokens=4, sampling_parameters={
+        "guided_decoding": {"choice": ["ok"]}}).text == "ok"
+
+
+@needs_default_model
+def test_openai_tools_in_auto_mode_with_a_response_format_are_400(openai_client):
+    with pytest.raises(openai.BadRequestError) as error:
+        openai_client.chat.completions.create(model="specserve", messages=QUESTION, max_tokens=8, tools=[WEATHER],
+                                              tool_choice="auto", response_format={"type": "json_object"})
+    assert error.value.body["param"] == "response_format"
+
+
+@needs_default_model
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_json_schema_not_strict_validates(openai_client, stream):
+    """strict false (OpenAI's default): JSON Schema's reading, whitespace free; the answer parses and
+    fits the schema."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["city", "country"]}
+    kwargs = dict(model="specserve", messages=[{"role": "user", "content": "Name a famous city and its country."}],
+                  max_tokens=80, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    jsonschema.validate(json.loads(_content(openai_client, stream, kwargs)), schema)

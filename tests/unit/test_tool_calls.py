@@ -163,12 +163,24 @@ def test_parallel_tool_calls_false_keeps_the_first_call_in_auto_mode():
     assert [c.name for c in tools().parse(text)[1]] == ["get_weather", "get_time"]
 
 
-def test_a_tool_whose_parameters_cannot_be_checked_is_refused_in_auto_mode():
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_tool_whose_parameters_cannot_be_enforced_is_refused(choice):
     sets = {"type": "function", "function": {"name": "tag", "parameters": {
         "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
     with pytest.raises(ToolError) as error:
-        read_tools({"tools": [WEATHER, sets]})
+        read_tools({"tools": [WEATHER, sets], "tool_choice": choice})
     assert error.value.param == "tools[1].function.parameters" and "'uniqueItems' is not supported" in str(error.value)
+    assert read_tools({"tools": [WEATHER, sets], "tool_choice": "none"}) is None  # not shown: not checked
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_response_format_that_cannot_be_enforced_is_refused_naming_it(strict):
+    schema = {"type": "object", "properties": {"ids": {"type": "array", "contains": {"const": 1}}}}
+    with pytest.raises(OpenAIError) as error:
+        chat_inputs({"messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}})
+    assert error.value.param == "response_format"
+    assert str(error.value) == "JSON Schema keyword 'contains' is not supported (at #/properties/ids)"
 
 
 @pytest.mark.parametrize("text", [
