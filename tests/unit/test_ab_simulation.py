@@ -24,7 +24,7 @@ from serving.rollout import RolloutPlan
 
 RUNS = 200
 SCALE = 0.1  # a tenth of the logs perf/ab_error_rates.py uses
-ROLLOUTS = 40
+ROLLOUTS = 30
 
 
 def allowed(runs: int, rate: float = ALPHA) -> int:
