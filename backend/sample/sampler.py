@@ -3,8 +3,8 @@ min-p, seeded draws, and the verification of draft tokens (rejection_sampler.py)
 
 Rows, draws and per-request faults are laid out by backend/sample/sampling_metadata.py. Sampling is
 exact: a seeded row by the exponential race on noise keyed on (seed, output index)
-(seeded_noise.py), an unseeded one by inverse-CDF sampling, one uniform draw per token. Nothing here reads back to the host: the engine
-copies `SamplerOutput` back asynchronously.
+(seeded_noise.py), an unseeded one by inverse-CDF sampling, one uniform draw per token. Nothing
+here reads back to the host: the engine copies `SamplerOutput` back asynchronously.
 
 Guided decoding: a constrained row's logits are set to -inf where its grammar forbids the token,
 before temperature and the filters, so the row samples from p' = norm(p * m), m the row's 0/1

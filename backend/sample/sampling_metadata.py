@@ -158,7 +158,7 @@ def build_sampling_metadata(
     generator: torch.Generator,  # the engine's, for requests without a seed
     device: torch.device,
     constrain: bool = True,  # apply the requests' grammars (the target's rows; not the draft's)
-    ahead: list[int] | None = None,  # per request: tokens past its known ones its first row samples
+    ahead: int = 0,  # tokens past its known ones each request's first row samples (a draft's j-th draw)
     position_offsets: torch.Tensor | None = None,  # [B] on the device: added to those (tokens the
     # host does not know of yet, overlapped steps)
 ) -> SamplingMetadata:
@@ -218,7 +218,7 @@ def build_sampling_metadata(
         keyed = not rows.greedy and p.seed is not None
         decided.append(rows.greedy or keyed)
         if keyed:
-            first = request.num_output_tokens + request.num_pending_tokens + (ahead[b] if ahead else 0)
+            first = request.num_output_tokens + request.num_pending_tokens + ahead
             seeded_rows += range(row, row + k + 1)
             seed_keys += [seed_key(p.seed)] * (k + 1)
             output_index += range(first, first + k + 1)

@@ -103,7 +103,7 @@ class DraftProposer:
         drafting = [requests[i] for i in active]
         meta = build_sampling_metadata(drafting, [[] for _ in active], self.vocab_size, self.sampler.generator,
                                        logits.device, constrain=False,  # drafts are verified against the grammar
-                                       ahead=[j] * len(active), position_offsets=position_offsets)
+                                       ahead=j, position_offsets=position_offsets)
         out = self.sampler(logits, meta)
         tokens = out.token_ids[:, 0]
         for row, i in enumerate(active):
