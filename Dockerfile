@@ -41,4 +41,4 @@ EXPOSE 8000 8001 8002 9000
 USER 1000:1000
 # tritonserver is on PATH in this image, so the launcher uses it and its own Python backend
 # every interface of the container: the launcher's own default is 127.0.0.1
-CMD ["python3", "-m", "serving.launcher", "--model-repository", "/opt/specserve/model_repository", "--host", "0.0.0.0"]
+CMD ["python3", "-m", "serving.launch", "--model-repository", "/opt/specserve/model_repository", "--host", "0.0.0.0"]

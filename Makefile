@@ -42,7 +42,7 @@ default-model: $(STAMP)
 	$(PY) -m scripts.convert_default_model
 
 serve: venv
-	$(PY) -m serving.launcher $(SERVE_ARGS)
+	$(PY) -m serving.launch $(SERVE_ARGS)
 
 test: venv
 	$(PY) -m pytest $(TEST_ARGS)

@@ -1,6 +1,6 @@
 """What a server drives an engine through, whichever way the engine runs: on a thread of the
 server's own process (backend/engine_loop.py: EngineLoop) or in a process of its own
-(backend/process/engine_core_client.py: EngineCoreClient). serving/llm_engine.py holds one of
+(backend/process/engine_core_client.py: EngineCoreClient). serving/triton/llm_engine.py holds one of
 them and uses nothing else of it."""
 from __future__ import annotations
 

@@ -5,8 +5,8 @@
     specserve-ab report --json                                      # GET /v1/experiment as is
     specserve-ab replay LOG --control NAME --json                   # the verdict over a request log
 
-`replay` reads a request log (serving/ab_log.py; rotated files too, oldest first) in arrival order
-through the very verdict the gateway runs (serving/ab_verdict.py), looking after every request, and
+`replay` reads a request log (serving/experiments/request_log.py; rotated files too, oldest first) in arrival order
+through the very verdict the gateway runs (serving/experiments/verdict.py), looking after every request, and
 prints the same JSON: under "arms", for each arm other than the control, its "decision" ("better",
 "worse" or "no difference") and per metric the estimate, its confidence sequence, the always-valid
 p-value and the request index at which it was decided. `--experiment FILE` takes the metrics (success
@@ -32,10 +32,10 @@ def fetch(url: str, path: str) -> dict:
 
 def replay(log: str, control: str, experiment: str | None = None) -> dict:
     """The verdict over a request log, looking after every request."""
-    from serving.ab_log import RequestColumns, read_log
-    from serving.ab_metrics import VerdictConfig
-    from serving.ab_verdict import Verdict
-    from serving.rollout import load_experiment
+    from serving.experiments.request_log import RequestColumns, read_log
+    from serving.experiments.metrics import VerdictConfig
+    from serving.experiments.verdict import Verdict
+    from serving.experiments.rollout import load_experiment
 
     config = load_experiment(experiment)[1] if experiment else VerdictConfig()
     arms = {control: None}

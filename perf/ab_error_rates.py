@@ -29,7 +29,7 @@ from perf.ab_simulation import (
     simulate,
     simulate_rollout,
 )
-from serving.rollout import RolloutPlan
+from serving.experiments.rollout import RolloutPlan
 
 POWER_BASE = Scenario("2,000 users, Zipf, 50:50", ((20000, (50, 50)),), users=2000, zipf=0.8)
 POWER = [("10 % slower", POWER_BASE.treated(slower=1.1)), ("25 % slower", POWER_BASE.treated(slower=1.25)),

@@ -30,8 +30,8 @@ from client.ab_report import fetch, plot, table
 from perf import RESULTS_DIR
 from perf.serving_load import wait_for
 from scripts.chat_prompts import HELDOUT
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
-from serving.repository_variants import add_variant, make_repository
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.repository_variants import add_variant, make_repository
 
 EXPERIMENT = {"name": "ngram-speculation", "sticky_key": "user",
               "arms": [{"name": "off", "model": "llm", "weight": 50}, {"name": "ngram", "model": "llm_ngram", "weight": 50}]}
@@ -90,7 +90,7 @@ def main() -> None:
         log = Path(f"{args.out}_requests.jsonl")
         log.unlink(missing_ok=True)
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "serving.openai_server", "--triton", handle.grpc_url, "--port", str(port),
+            [sys.executable, "-m", "serving.gateway.server", "--triton", handle.grpc_url, "--port", str(port),
              "--experiment", str(experiment_file), "--experiment-log", str(log)],
             env=os.environ | {"SPECSERVE_ADMIN_KEY": secrets.token_urlsafe(16)},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -4,7 +4,7 @@ Users have their own latency levels (lognormal across users) and send traffic by
 request's TTFT and ITL are lognormal around the user's level with a heavy tail (a share of
 requests, e.g. preempted or queued, several times slower); some fail (server errors), some are
 cancelled after their first token, and some users send bad requests (4xx). Arms are assigned by
-user with the gateway's exponential race over the weights (serving/experiment.py), so a user keeps
+user with the gateway's exponential race over the weights (serving/experiments/experiment.py), so a user keeps
 an arm while the weights stay; a schedule of weights (rollout steps) starts a period each, and
 load may drift from one to the next. The treatment arm (the second) can be slower, slower only in
 its tail, or fail more.
@@ -19,12 +19,12 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from serving.ab_log import RequestColumns
-from serving.ab_recorder import ExperimentRecorder
-from serving.ab_metrics import VerdictConfig
-from serving.ab_verdict import Verdict
-from serving.experiment import Arm, Experiment
-from serving.rollout import Rollout, RolloutPlan
+from serving.experiments.request_log import RequestColumns
+from serving.experiments.recorder import ExperimentRecorder
+from serving.experiments.metrics import VerdictConfig
+from serving.experiments.verdict import Verdict
+from serving.experiments.experiment import Arm, Experiment
+from serving.experiments.rollout import Rollout, RolloutPlan
 
 ARMS = ("control", "treatment")
 CHUNK = 4096

@@ -36,8 +36,8 @@ import tritonclient.grpc as grpcclient
 
 from client.stream import INPUT_TYPES, complete, new_abort_key, stop_inputs
 from perf.serving_load import load_prompts
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
-from serving.repository_variants import make_repository
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.repository_variants import make_repository
 
 PROMPT_TOKENS, FIRST_TOKENS, POLL_S = 32, 3, 0.01
 FINISHED, RUNNING = "specserve_request_success_total", "specserve_num_requests_running"

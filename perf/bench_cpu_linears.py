@@ -25,7 +25,7 @@ from backend.engine import LLMEngine
 from backend.model.linear_tuner import time_call
 from backend.sampling_params import SamplingParams
 from perf.prompts import chat_prompts
-from serving.launcher import DEFAULT_MODEL_REPOSITORY
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY
 
 DEFAULT_MODEL = DEFAULT_MODEL_REPOSITORY / "llm_engine" / "1" / "target"
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 256)

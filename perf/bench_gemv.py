@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.model.linear_tuner import time_call
-from kernels.gemv import gemv
+from specserve_kernels.gemv import gemv
 
 SHAPES_1B = {  # name -> (out, in)
     "qkv_proj": (3072, 2048), "o_proj": (2048, 2048), "gate_up_proj": (16384, 2048),

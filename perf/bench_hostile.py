@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
-from serving.preprocessor import Preprocessor
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.triton.request_builder import Preprocessor
 from client.stream import GenerationError, complete
 
 

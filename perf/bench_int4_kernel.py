@@ -1,4 +1,4 @@
-"""int4 on a CPU: the int4 CPU kernel (kernels/int4_cpu.py, int16 activations in integer products;
+"""int4 on a CPU: the int4 CPU kernel (kernels/specserve_kernels/int4_cpu.py, int16 activations in integer products;
 on a CPU with AVX-512 its AVX-512 build beside its AVX2 one) against torch's packed kernel
 (`_weight_int4pack_mm_for_cpu`, bfloat16 activations), side by side in one run on the default model:
 
@@ -25,7 +25,7 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.model.linear_tuner import time_call
 from backend.model.quantized_linear import Int4Linear
-from kernels import int4_cpu
+from specserve_kernels import int4_cpu
 from perf.harness import batch1_step_ms, engine_generate, prefill_ms, read_bandwidth
 from perf.prompts import DEFAULT_TARGET, chat_prompts
 

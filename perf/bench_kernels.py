@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_kernels: no CUDA device here; this benchmark times GPU kernels, nothing to do.")
         return 0
 
-    from kernels.paged_attention import paged_attention, paged_attention_ref
-    from kernels.paged_attention_decode import default_num_splits, paged_decode_attention
-    from kernels.paged_attention_extend import paged_extend_attention
+    from specserve_kernels.paged_attention import paged_attention, paged_attention_ref
+    from specserve_kernels.paged_attention_decode import default_num_splits, paged_decode_attention
+    from specserve_kernels.paged_attention_extend import paged_extend_attention
 
     dtype = DTYPES[args.dtype]
     inputs = make_inputs(args, dtype, torch.Generator(device="cuda").manual_seed(args.seed))

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from perf.serving_load import wait_for
 from scripts.convert_default_model import find_gguf
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
-from serving.repository_variants import make_repository
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.repository_variants import make_repository
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -146,7 +146,7 @@ def run_specserve(args, quantization: str, threads: int, flags: list[str], workd
     handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           log_file=workdir / f"{name}.log", log_level="warning", ready_timeout=600)
     port = free_port()
-    api = subprocess.Popen([sys.executable, "-m", "serving.openai_server", "--triton", handle.grpc_url,
+    api = subprocess.Popen([sys.executable, "-m", "serving.gateway.server", "--triton", handle.grpc_url,
                             "--port", str(port), "--host", "127.0.0.1"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -1,7 +1,7 @@
 """What the OpenAI-compatible layer adds: the same streamed requests through it and straight to
 tritonserver over gRPC, alternating, in one run.
 
-One tritonserver on the default model repository and serving/openai_server.py beside it. Each of
+One tritonserver on the default model repository and serving/gateway/server.py beside it. Each of
 N rounds sends one greedy streamed request both ways (the order alternating): gRPC with
 client.stream.generate, OpenAI with the official client's streaming completions. Reported per path:
 time to first token and time per output token after it (p50 and mean), and the ratios.
@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from client.stream import generate
-from serving.launcher import free_port, start_server
+from serving.launch.launcher import free_port, start_server
 
 PROMPT = "def parse_arguments(argv):"
 
@@ -57,7 +57,7 @@ def main() -> None:
     handle = start_server(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           log_file=Path("/dev/null"), log_level="warning", ready_timeout=600)
     port = free_port()
-    api = subprocess.Popen([sys.executable, "-m", "serving.openai_server", "--triton", handle.grpc_url,
+    api = subprocess.Popen([sys.executable, "-m", "serving.gateway.server", "--triton", handle.grpc_url,
                             "--port", str(port), "--host", "127.0.0.1"])
     try:
         deadline = time.monotonic() + 60

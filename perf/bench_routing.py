@@ -27,8 +27,8 @@ import numpy as np
 
 from perf import RESULTS_DIR
 from perf.serving_load import StreamingClient, Workload, load_prompts
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
-from serving.repository_variants import make_repository
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.repository_variants import make_repository
 
 TWO_INSTANCES = "instance_group [ { count: 2, kind: KIND_CPU } ]"
 FINISHED = "specserve_request_success_total"

@@ -5,7 +5,7 @@ through each layer of the served path in one run, side by side with the engine i
     llm_engine      gRPC stream straight to the engine model, token ids in (what llm_bls sends)
     llm             the ensemble: preprocessing -> llm_engine
     llm_bls         preprocessing in its own stub, then a gRPC stream to llm_engine
-    openai          streamed /v1/completions through serving.openai_server -> llm
+    openai          streamed /v1/completions through serving.gateway.server -> llm
 
 Each request asks for --max-tokens tokens (greedy, EOS ignored); TTFT is the time to its first
 response with text, p50 and min over --requests after --warmup; the request is then dropped. Prefix caching is switched off so that every request
@@ -37,10 +37,10 @@ from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
 from client.stream import generate
 from perf.serving_load import wait_for
-from serving.engine_stream import EngineStream
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
-from serving.preprocessor import Preprocessor
-from serving.repository_variants import make_repository
+from serving.triton.engine_stream import EngineStream
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.triton.request_builder import Preprocessor
+from serving.launch.repository_variants import make_repository
 
 PROMPT = "Write a haiku about the sea."
 SETTLE_S = 0.2  # after dropping a request, for the engine to let it go (a cancellation is polled)
@@ -147,7 +147,7 @@ def main() -> None:
         handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                               log_file=Path(tmp) / "server.log", log_level="warning", ready_timeout=600)
         port = free_port()
-        api = subprocess.Popen([sys.executable, "-m", "serving.openai_server", "--triton", handle.grpc_url,
+        api = subprocess.Popen([sys.executable, "-m", "serving.gateway.server", "--triton", handle.grpc_url,
                                 "--port", str(port), "--host", "127.0.0.1"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

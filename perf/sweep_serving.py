@@ -1,7 +1,7 @@
 """One load, several servers: the engine without and with speculative decoding, and a baseline.
 
-Each variant is served by its own tritonserver (serving.launcher, free ports) from a model
-repository generated for it in a temporary directory (serving/repository_variants.py): the
+Each variant is served by its own tritonserver (serving.launch.launcher, free ports) from a model
+repository generated for it in a temporary directory (serving/launch/repository_variants.py): the
 configs are copied with engine parameters overridden, the version directories are symbolic links
 to the originals. Then perf/serving_load.py's load points run against it: every request rate
 (Poisson arrivals), then every concurrency, with the same prompts for every variant.
@@ -38,8 +38,8 @@ from perf import BASELINE_REPOSITORY, REPO_ROOT, RESULTS_DIR
 from perf.serving_comparison import BASELINE, compare, markdown_table, points_table
 from perf.serving_load import add_load_arguments, load_prompts, requests_for, run_benchmark
 from perf.serving_plots import plot_all
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
-from serving.repository_variants import make_repository
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.repository_variants import make_repository
 
 VARIANTS = {  # name -> (source repository, model to benchmark, {model: {parameter: value}})
     "engine": (DEFAULT_MODEL_REPOSITORY, "llm", {"llm_engine": {"speculative_method": "none"}}),

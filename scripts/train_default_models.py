@@ -14,12 +14,15 @@ Stages (``--stage`` takes a comma list or ``all``):
   target     a ~12M-parameter Llama, next-token cross-entropy, AdamW + cosine
   draft      a ~1.5M-parameter Llama distilled from the target: KL(target || draft) + a little CE
   package    reload trained weights from --from and save them with the tokenizer (float16)
-  eval       held-out perplexity, draft/target agreement, acceptance and predicted speedup
+
+Then `python -m scripts.eval_default_models` reports held-out perplexity, draft/target agreement,
+acceptance and predicted speedup.
 
 Tokenizer and data land in .cache/default_models (projects: .cache/default_models/projects) and
 are reused when present, so the training stages can run on a machine whose sources differ. Start to finish on one box:
 
     python -m scripts.train_default_models --stage all --target-minutes 20 --draft-minutes 5
+    python -m scripts.eval_default_models
 
 or with the training on a GPU machine that has a copy of .cache/default_models (shards small
 enough to copy back, no tokenizer files), then packaged where the tokenizer was built:
@@ -52,8 +55,8 @@ from scripts.python_corpus import split_corpus
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache" / "default_models"
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "tiny_pair"
-STAGES = ("tokenizer", "data", "target", "draft", "package", "eval")
-ALL_STAGES = ("tokenizer", "data", "target", "draft", "eval")  # package only runs when asked
+STAGES = ("tokenizer", "data", "target", "draft", "package")
+ALL_STAGES = ("tokenizer", "data", "target", "draft")  # package only runs when asked
 
 VOCAB_SIZE = 8192
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -359,12 +362,6 @@ def stage_package(args) -> None:
         print(f"{name}: {num_params(model):,} parameters, {size / 1e6:.1f} MB -> {args.out / name}")
 
 
-def stage_eval(args) -> None:
-    from scripts.eval_default_models import evaluate  # (it imports this module)
-
-    print(evaluate(args.out, load_split("heldout", args.cache), args.eval_windows, args.seq_len, args.device))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", default="all",
@@ -390,7 +387,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--valid-every", type=int, default=250, help="steps between validations")
     p.add_argument("--valid-windows", type=int, default=32, help="validation windows of --seq-len")
-    p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of --seq-len")
     args = p.parse_args(argv)
     args.stages = ALL_STAGES if args.stage == "all" else tuple(args.stage.split(","))
     unknown = set(args.stages) - set(STAGES)

@@ -1,10 +1,11 @@
-"""Everything that knows Triton or tritonserver: the launcher, preprocessing, and the logic of the
-python-backend models (`model_repository/*/1/model.py` import their TritonPythonModel from here).
+"""Everything between a client and the engine, by job (each folder's __init__ lists its files):
 
-    launcher.py        finds tritonserver (pip's nvidia-pytriton or an NGC image) and starts it
-    preprocessing.py   the `preprocessing` model: preprocessor.py over request_inputs.py
-    llm_engine.py      the decoupled `llm_engine` model around backend.EngineLoop, with
-                       sender_lane.py (one stuck receiver blocks no other) and engine_metrics.py
-    llm_bls.py         the decoupled `llm_bls` model: preprocessing in-process, llm_engine over
-                       engine_stream.py (a gRPC stream to the server's own endpoint)
+    triton/       the python-backend models (`model_repository/*/1/model.py` import their
+                  TritonPythonModel from here, each file named as its model) and what only they use
+    gateway/      the OpenAI-compatible HTTP server in front of tritonserver
+    experiments/  A/B experiments and rollouts: the request log, the verdict, the rollout plan
+                  (plain Python: nothing there imports Triton)
+    launch/       starts tritonserver (and the gateway) on a model repository, and supervises them
+
+Layers, lowest first: triton and experiments, then launch, then gateway (tests/unit/test_layers.py).
 """

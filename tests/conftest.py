@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under the
 import pytest  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-from serving.launcher import free_port  # noqa: F401 (tests import it from here)
+from serving.launch.launcher import free_port  # noqa: F401 (tests import it from here)
 
 TINY_VOCAB = 256 + 3  # bytes plus <s>, </s>, <pad>
 

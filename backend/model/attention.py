@@ -2,7 +2,7 @@
 computed.
 
 `TorchAttention` runs the torch references from kernels/ on any device; `CpuAttention` (a CPU's
-default) the same, with attention itself in the C kernel of kernels/paged_attention_cpu.py where
+default) the same, with attention itself in the C kernel of kernels/specserve_kernels/paged_attention_cpu.py where
 it runs (float32); `TritonAttention` runs the Triton kernels (CUDA, or CPU under
 TRITON_INTERPRET=1). All take the same metadata.
 """
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import paged_attention_cpu
-from kernels.paged_attention import ReferencePlan, paged_attention_ref, plan_reference
-from kernels.rotary import rotary_store_kv_ref, rotary_tables
+from specserve_kernels import paged_attention_cpu
+from specserve_kernels.paged_attention import ReferencePlan, paged_attention_ref, plan_reference
+from specserve_kernels.rotary import rotary_store_kv_ref, rotary_tables
 
 
 @dataclass(slots=True)
@@ -34,7 +34,7 @@ class AttentionBackend:
 
     def rotate_and_store(self, q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
         """RoPE of q and k; the rotated k and v stored at their cache slots. Returns the rotated q
-        (kernels/rotary.py, `rotary_store_kv`)."""
+        (kernels/specserve_kernels/rotary.py, `rotary_store_kv`)."""
         raise NotImplementedError
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -84,8 +84,8 @@ class TritonAttention(AttentionBackend):
     supports_cuda_graphs = True
 
     def __init__(self) -> None:
-        from kernels.paged_attention import paged_attention
-        from kernels.rotary import rotary_store_kv
+        from specserve_kernels.paged_attention import paged_attention
+        from specserve_kernels.rotary import rotary_store_kv
 
         self._rotate_and_store = rotary_store_kv  # one launch for RoPE and the store
         self._attend = paged_attention

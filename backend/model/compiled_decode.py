@@ -21,7 +21,7 @@ be equal always.
 
 `DecodeAttention` is TorchAttention's decode step written to trace as one graph: no host reads
 (the KV store's padding check, the plan made on the first layer) and no per-step state on self.
-Where the CPU attention kernel applies (kernels/paged_attention_cpu.py: float32) attention is that
+Where the CPU attention kernel applies (kernels/specserve_kernels/paged_attention_cpu.py: float32) attention is that
 kernel as a torch operator, reading the block tables itself, and the step needs no plan.
 """
 from __future__ import annotations
@@ -35,10 +35,10 @@ from backend.model.attention import AttentionBackend, AttentionMetadata
 from backend.model.linear_tuner import rows_for_dense, time_call
 from backend.model.model import LlamaForCausalLM
 from backend.model.quantized_linear import WeightOnlyLinear
-from kernels import paged_attention_cpu
-from kernels.paged_attention import _attend_decode, plan_reference
-from kernels.paged_attention_cpu import paged_attention_op
-from kernels.rotary import rotary_tables, rotate
+from specserve_kernels import paged_attention_cpu
+from specserve_kernels.paged_attention import _attend_decode, plan_reference
+from specserve_kernels.paged_attention_cpu import paged_attention_op
+from specserve_kernels.rotary import rotary_tables, rotate
 
 TIMED_BATCHES = (4, 8, 16, 32, 64)  # decode steps timed compiled and eager at start-up (quantized)
 MIN_PAGES = 2  # block tables are padded to this many pages: a size of 1 would be a graph of its own

@@ -7,7 +7,7 @@ of the default model (int4, 2 threads) took 43 ms to prefill, 23 ms of them in t
 Such a step's shape is ragged (requests of different lengths, each with its own causal mask), and
 that raggedness is all in attention: every other operation of the forward treats the step's
 tokens as rows of one matrix. Attention runs as one torch operator (`specserve::paged_attention`,
-kernels/paged_attention_cpu.py: the C kernel, which reads the pool through the block tables, or
+kernels/specserve_kernels/paged_attention_cpu.py: the C kernel, which reads the pool through the block tables, or
 the torch reference where the kernel does not apply), and the forward is traced around it with
 the token count, the requests, their pages and the rows that want logits all dynamic: one graph
 for steps that want one row of logits (a prompt's prefill), one for the others (several requests,
@@ -29,7 +29,7 @@ from backend.model.attention import AttentionMetadata
 from backend.model.compiled_decode import DecodeAttention, read_text_as_utf8, run_compiled
 from backend.model.model import LlamaForCausalLM
 from backend.model.quantized_linear import WeightOnlyLinear
-from kernels.paged_attention_cpu import paged_attention_op
+from specserve_kernels.paged_attention_cpu import paged_attention_op
 
 GRAPHS = 2  # one row of logits, several
 MIN_SIZE = 2  # requests and block table columns are padded to at least this many

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from backend.host_waits import DeviceMark, HostWaits
-from kernels.kv_cache import PAD_SLOT  # slot of a padding token: its K/V are not stored
+from specserve_kernels.kv_cache import PAD_SLOT  # slot of a padding token: its K/V are not stored
 
 PAD_BLOCK = 0  # block id that pads block tables (never read past seq_lens)
 _PAD_ROW = [PAD_BLOCK]

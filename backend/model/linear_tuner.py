@@ -24,7 +24,7 @@ from torch import nn
 
 from backend.model.model import Linear
 from backend.model.quantized_linear import KERNEL_DTYPE, Fp8Linear, RescoredHead, WeightOnlyLinear
-from kernels.gemv import MAX_ROWS, gemv
+from specserve_kernels.gemv import MAX_ROWS, gemv
 
 ROW_COUNTS = (1, 2, 4, 8, MAX_ROWS)
 # decode batches and verifications (k + 1 rows); a prefill chunk is past the last

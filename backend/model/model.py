@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from backend.model.attention import AttentionBackend, AttentionMetadata
-from kernels.gemv import gemv
-from kernels.rms_norm import (  # Triton itself is imported on a kernel's first call
+from specserve_kernels.gemv import gemv
+from specserve_kernels.rms_norm import (  # Triton itself is imported on a kernel's first call
     rms_norm,
     rms_norm_ref,
 )
-from kernels.silu_mul import silu_mul, silu_mul_ref
+from specserve_kernels.silu_mul import silu_mul, silu_mul_ref
 
 
 @dataclass(slots=True)
@@ -54,7 +54,7 @@ PACKED_PROJECTIONS = {
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs the Triton small-batch kernel (kernels/gemv.py) for up to
+    """nn.Linear that runs the Triton small-batch kernel (kernels/specserve_kernels/gemv.py) for up to
     `gemv_max_rows` rows of input, where the engine measured it faster than torch's matmul for
     this weight's shape (backend/model/linear_tuner.py; 0: never). On a CPU in float32 it can keep
     a copy of its weight in oneDNN's layout (`onednn_weight`) and multiply by it at the row counts

@@ -17,7 +17,7 @@ int4 is asymmetric with a group's minimum and (maximum - minimum) / 15 as its st
 layout: weights dequantized from Q4_1 blocks of 32 (the default model's) come back exactly at
 group size 32 (the step and minimum in float16, as Q4_1 keeps them).
 
-On an x86 CPU with AVX2, int4 products run in kernels/int4_cpu.py: each block of 32 input values
+On an x86 CPU with AVX2, int4 products run in kernels/specserve_kernels/int4_cpu.py: each block of 32 input values
 quantized to int16 and multiplied by the 4-bit codes in integers, as llama.cpp does, so that a
 prefill's rows do not each pay for turning every weight into a float. Elsewhere on a CPU, and for
 int8, the products run in torch's packed weight-only kernels (`_weight_int8pack_mm`,
@@ -40,7 +40,7 @@ in the traced code would split a graph in two); int8 layers keep their packed ke
 dynamic FP8: weights and activations both FP8 with per-row scales, multiplied by torch's
 `_scaled_mm` (summing in float32), and up to `gemv_max_rows` rows of input by the Triton
 small-batch kernel, which reads the FP8 weight, quantizes the input rows the same way and
-multiplies exactly (kernels/gemv.py; backend/model/linear_tuner.py times the two per shape at
+multiplies exactly (kernels/specserve_kernels/gemv.py; backend/model/linear_tuner.py times the two per shape at
 load). It halves a bfloat16 model's weight bytes, so a decode step bound by reading them takes up
 to half the time. The lm_head stays in the model's dtype (as in vLLM's FP8 checkpoints): its
 logits choose the tokens. On a CPU, torch's `_scaled_mm` gives the same products, slowly: for
@@ -60,8 +60,8 @@ from backend.config import check_quantization
 from backend.errors import ValidationError
 from backend.model.model import Linear
 from backend.model.tensor_parallel import ParallelLMHead
-from kernels import cpu_ops, int4_cpu
-from kernels.gemv import fp8_scales, gemv, to_fp8
+from specserve_kernels import cpu_ops, int4_cpu
+from specserve_kernels.gemv import fp8_scales, gemv, to_fp8
 
 KERNEL_DTYPE = torch.bfloat16  # the packed CPU kernels' activations, scales and output
 INT4_ROWS = 16  # the packed int4 layout holds output rows in multiples of this (padded with zeros)
@@ -191,7 +191,7 @@ class Int8Linear(WeightOnlyLinear):
 
 
 class Int4Linear(WeightOnlyLinear):
-    """w = code * step + minimum per group. Where kernels/int4_cpu.py runs (an x86 CPU with AVX2
+    """w = code * step + minimum per group. Where kernels/specserve_kernels/int4_cpu.py runs (an x86 CPU with AVX2
     and a C compiler: `layout` "blocks"), the codes in its blocks of 32 with float16 steps and
     minimums, as GGUF's Q4_1 keeps them (a group of 64 or 128 repeats its own over its blocks); on
     other CPUs torch's packed layout ("int4pack", bfloat16 scales); elsewhere one code a byte ("codes")."""
@@ -305,12 +305,12 @@ def int4_product(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum
 
 def dense_product(x: torch.Tensor, dense: int) -> torch.Tensor:
     """x [rows, in] float32 times dense copy number `dense`, float32: `int4_product`'s dense part,
-    an operator of its own for the C++ implementation of `int4_product` (kernels/cpu_ops.cpp)."""
+    an operator of its own for the C++ implementation of `int4_product` (kernels/specserve_kernels/cpu_ops.cpp)."""
     weight = _DENSE_COPIES[dense]
     return dense_linear(x.to(weight.dtype), weight).float()
 
 
-# (torch.library.Library rather than the custom_op decorator: see kernels/int4_cpu.py)
+# (torch.library.Library rather than the custom_op decorator: see kernels/specserve_kernels/int4_cpu.py)
 _LIBRARY = torch.library.Library("specserve", "FRAGMENT")
 _LIBRARY.define("dense_product(Tensor x, int dense) -> Tensor")
 _LIBRARY.impl("dense_product", dense_product, "CPU")

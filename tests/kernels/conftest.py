@@ -19,8 +19,8 @@ import pytest
 import torch
 
 TRITON_MODULES = (
-    "kernels.kv_cache_triton", "kernels.paged_attention_decode", "kernels.paged_attention_extend",
-    "kernels.gemv_triton", "kernels.rms_norm_triton", "kernels.rotary_triton", "kernels.silu_mul_triton",
+    "specserve_kernels.kv_cache_triton", "specserve_kernels.paged_attention_decode", "specserve_kernels.paged_attention_extend",
+    "specserve_kernels.gemv_triton", "specserve_kernels.rms_norm_triton", "specserve_kernels.rotary_triton", "specserve_kernels.silu_mul_triton",
 )
 
 

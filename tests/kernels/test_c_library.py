@@ -1,10 +1,10 @@
-"""kernels/c_library.py: where the C kernels' builds are kept."""
+"""kernels/specserve_kernels/c_library.py: where the C kernels' builds are kept."""
 from __future__ import annotations
 
 import os
 import stat
 
-from kernels import c_library
+from specserve_kernels import c_library
 
 
 def test_the_build_is_not_loaded_from_a_directory_others_can_write(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The C kernels' operators implemented in C++ (kernels/cpu_ops.cpp): chosen where they build,
+"""The C kernels' operators implemented in C++ (kernels/specserve_kernels/cpu_ops.cpp): chosen where they build,
 the same results as the Python functions they stand for (the same kernels), both branches of
 int4_product, and a clear error for inputs they do not take."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from backend.model import quantized_linear
 from backend.model.quantized_linear import Int4Linear
-from kernels import int4_cpu, paged_attention_cpu
+from specserve_kernels import int4_cpu, paged_attention_cpu
 
 pytestmark = pytest.mark.skipif(not int4_cpu.available(), reason="needs an x86 CPU with AVX2 and a C compiler")
 

@@ -24,7 +24,7 @@ def test_small_batch_kernel_in_every_linear_matches_torch_backend(tiny_llama, mo
     small-batch kernel wherever a step has few enough rows: the torch backend's greedy tokens.
     On CUDA the engine picks the kernel per shape by timing; here it is forced everywhere."""
     import backend.model.model
-    from kernels.gemv import MAX_ROWS
+    from specserve_kernels.gemv import MAX_ROWS
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     prompts = [[5, 17, 99, 42, 7], list(range(10, 40)), [200] * 3]
@@ -73,7 +73,7 @@ def test_fp8_layers_through_the_small_batch_kernel_match_torch_scaled_product(ti
     import backend.model.quantized_linear
     from backend.model.linear_tuner import tune_small_batch_linears
     from backend.model.quantized_linear import Fp8Linear
-    from kernels.gemv import MAX_ROWS
+    from specserve_kernels.gemv import MAX_ROWS
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemv import FP8, MAX_ROWS, fp8_scales, gemv, gemv_fp8_ref, gemv_ref, to_fp8
+from specserve_kernels.gemv import FP8, MAX_ROWS, fp8_scales, gemv, gemv_fp8_ref, gemv_ref, to_fp8
 
 
 @pytest.mark.parametrize(

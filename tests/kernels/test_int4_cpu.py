@@ -1,4 +1,4 @@
-"""The int4 CPU kernel (kernels/int4_cpu.c: its AVX2 build, and its AVX-512 one where the CPU has
+"""The int4 CPU kernel (kernels/specserve_kernels/int4_cpu.c: its AVX2 build, and its AVX-512 one where the CPU has
 it) against its torch reference: the same quantization of x, the same integer products, sums equal
 to float32 rounding; the AVX-512 build chosen where it runs; the layout and the operator in a
 compiled graph."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import int4_cpu
+from specserve_kernels import int4_cpu
 
 pytestmark = pytest.mark.skipif(not int4_cpu.available(), reason="needs an x86 CPU with AVX2 and a C compiler")
 

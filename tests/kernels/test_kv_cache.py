@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_cache import PAD_SLOT, store_kvcache_ref
+from specserve_kernels.kv_cache import PAD_SLOT, store_kvcache_ref
 
 
 def test_store_kvcache_ref_stores_each_token_at_its_slot_and_skips_padding():

@@ -5,10 +5,10 @@ import pytest
 import torch
 import triton
 
-import kernels.paged_attention_decode as decode
-import kernels.paged_attention_extend as extend
-from kernels.launch import check_device
-from kernels.paged_attention import paged_attention, paged_attention_ref
+import specserve_kernels.paged_attention_decode as decode
+import specserve_kernels.paged_attention_extend as extend
+from specserve_kernels.launch import check_device
+from specserve_kernels.paged_attention import paged_attention, paged_attention_ref
 
 
 @pytest.fixture

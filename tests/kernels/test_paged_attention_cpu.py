@@ -1,5 +1,5 @@
-"""The CPU attention kernel (kernels/paged_attention_cpu.c) against the torch reference
-(kernels/paged_attention.py) on ragged batches: decodes, prefills, chunks after cached context,
+"""The CPU attention kernel (kernels/specserve_kernels/paged_attention_cpu.c) against the torch reference
+(kernels/specserve_kernels/paged_attention.py) on ragged batches: decodes, prefills, chunks after cached context,
 verification rows, grouped heads, table padding that holds ids outside the pool, requests with no
 queries, and scores far apart (the exponential's underflow); its operator in a compiled graph."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_attention_cpu
-from kernels.paged_attention import paged_attention_ref
+from specserve_kernels import paged_attention_cpu
+from specserve_kernels.paged_attention import paged_attention_ref
 
 pytestmark = pytest.mark.skipif(not paged_attention_cpu.available(), reason="needs an x86 CPU with AVX2 and a C compiler")
 

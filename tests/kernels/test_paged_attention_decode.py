@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention_ref
-from kernels.paged_attention_decode import paged_decode_attention
+from specserve_kernels.paged_attention import paged_attention_ref
+from specserve_kernels.paged_attention_decode import paged_decode_attention
 
 CASES = [  # block_size, num_heads, num_kv_heads, head_dim, dtype, num_splits
     (8, 4, 4, 64, torch.float32, 1),  # MHA

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from specserve_kernels.rms_norm import rms_norm, rms_norm_ref
 
 
 @pytest.mark.parametrize(

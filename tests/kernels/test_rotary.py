@@ -21,7 +21,7 @@ def _fused_args(device, num_tokens: int = 3, num_heads: int = 4, num_kv_heads: i
 
 
 def test_rotary_position_zero_is_identity(device, rng):
-    from kernels.rotary import rotary_store_kv
+    from specserve_kernels.rotary import rotary_store_kv
 
     args = _fused_args(device)
     q, k = torch.randn(3, 4, 64, generator=rng), torch.randn(3, 2, 64, generator=rng)
@@ -32,7 +32,7 @@ def test_rotary_position_zero_is_identity(device, rng):
 
 
 def test_rotary_rejects_bad_tables_and_positions(device):
-    from kernels.rotary import rotary_store_kv
+    from specserve_kernels.rotary import rotary_store_kv
 
     bad_k = _fused_args(device)
     bad_k[1] = bad_k[1][:1]
@@ -62,8 +62,8 @@ def test_rotary_store_kv_matches_rotary_then_store(device, rng, tolerances, num_
                                                    head_dim, block_size, dtype):
     """The fused launch returns the reference's rotated q and leaves the caches as
     store_kvcache_ref of the rotated k and of v leaves them (padding slots untouched)."""
-    from kernels.kv_cache import PAD_SLOT
-    from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
+    from specserve_kernels.kv_cache import PAD_SLOT
+    from specserve_kernels.rotary import rotary_store_kv, rotary_store_kv_ref
 
     num_blocks = 4
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=rng).to(dtype)
@@ -91,7 +91,7 @@ def test_rotary_store_kv_matches_rotary_then_store(device, rng, tolerances, num_
 
 
 def test_rotary_store_kv_checks_its_arguments(device):
-    from kernels.rotary import rotary_store_kv
+    from specserve_kernels.rotary import rotary_store_kv
 
     cos, sin = _tables(16, 64)
     q, k, v = torch.zeros(2, 4, 64), torch.zeros(2, 2, 64), torch.zeros(2, 2, 64)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.silu_mul import silu_mul, silu_mul_ref
+from specserve_kernels.silu_mul import silu_mul, silu_mul_ref
 
 
 @pytest.mark.parametrize(

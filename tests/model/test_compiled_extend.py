@@ -16,7 +16,7 @@ from backend.model.model_runner import StepInput
 from backend.model import quantized_linear
 from backend.model.quantized_linear import Int4Linear, dense_linear, int4_product_op, prepack
 from backend.sampling_params import SamplingParams
-from kernels import int4_cpu
+from specserve_kernels import int4_cpu
 from tests.model.test_compiled_decode import assert_compiled_step_writes_as_eager
 from tests.model.test_eagle import eagle_engine, head  # noqa: F401 (a fixture)
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine

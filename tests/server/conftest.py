@@ -1,4 +1,4 @@
-"""A real tritonserver for the server tests: one per session, on free ports, via serving.launcher.
+"""A real tritonserver for the server tests: one per session, on free ports, via serving.launch.launcher.
 
 It serves a copy of the repository's model_repository (the same configs and model code) whose
 model paths point at the tiny committed pair in tests/fixtures/tiny_pair, which keeps the suite
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_server
-from serving.repository_variants import add_variant
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_server
+from serving.launch.repository_variants import add_variant
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.server
@@ -159,12 +159,12 @@ def start_test_server(root: Path, fault_injection: str, parameters: dict[str, st
 
 @contextmanager
 def openai_server(server: Server, *args: str, env: dict[str, str] | None = None, secret: str = ""):
-    """`python -m serving.openai_server` in front of `server` on a free port: its base URL once
+    """`python -m serving.gateway.server` in front of `server` on a free port: its base URL once
     /health answers. `secret` (an API key) must not appear in what it logs."""
     port = free_port()
     log = tempfile.TemporaryFile("w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "serving.openai_server", "--triton", server.grpc_url, "--port", str(port),
+        [sys.executable, "-m", "serving.gateway.server", "--triton", server.grpc_url, "--port", str(port),
          "--host", "127.0.0.1", *args], cwd=Path(__file__).parents[2], env=os.environ | (env or {}),
         stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

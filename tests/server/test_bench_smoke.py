@@ -12,8 +12,8 @@ import pytest
 from perf import BASELINE_REPOSITORY
 from perf.serving_load import Workload, run_point
 from perf.serving_metrics import SLO
-from serving.launcher import free_port, start_server
-from serving.repository_variants import make_repository
+from serving.launch.launcher import free_port, start_server
+from serving.launch.repository_variants import make_repository
 
 pytestmark = pytest.mark.server
 REPO_ROOT = Path(__file__).resolve().parents[2]

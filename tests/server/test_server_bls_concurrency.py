@@ -5,7 +5,7 @@ cancelled streams end, and the stub survives the flood.
 When llm_bls reached llm_engine through BLS, each call held a thread of that pool until the
 engine's first response, and the same pool carries llm_bls's responses to its clients: unbounded,
 the requests queued in the engine took the whole pool and no client got a response until a running
-request ended; and such floods corrupted the stub's heap now and then (serving/engine_stream.py).
+request ended; and such floods corrupted the stub's heap now and then (serving/triton/engine_stream.py).
 The checks below are orderings, not timings: did the streams get responses before the engine
 finished any request?
 """

@@ -100,7 +100,7 @@ def test_a_rollout_rolls_back_when_the_arm_fails_and_stays_rolled_back_after_a_r
     step); the rollout, judged every 0.3 s, sets the arm's weight to 0 and says why. A bad request
     (a 4xx) is the client's, not the arm's. A gateway restarted on the same log resumes the
     rolled-back experiment: every user on the control."""
-    from serving.experiment import Experiment
+    from serving.experiments.experiment import Experiment
     from tests.server.conftest import FAULT_SEED
 
     values = {"name": "guarded", "sticky_key": "user", "arms": [

@@ -13,7 +13,7 @@ import pytest
 
 from backend.sampling_params import SamplingParams
 from client.stream import GenerationError, complete
-from serving.request_inputs import VLLM_ONLY_PARAMETERS
+from serving.triton.request_inputs import VLLM_ONLY_PARAMETERS
 
 pytestmark = pytest.mark.server
 

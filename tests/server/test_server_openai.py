@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (serving/openai_server.py) with the official `openai` client,
+"""The OpenAI-compatible server (serving/gateway/server.py) with the official `openai` client,
 against the real tritonserver: models, chat and completions streamed and whole, usage, stop, seeds,
 logprobs, OpenAI-shaped errors, and a client that leaves mid-stream freeing its KV cache."""
 from __future__ import annotations

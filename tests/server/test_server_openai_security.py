@@ -1,4 +1,4 @@
-"""Attacks on the OpenAI-compatible server (serving/openai_server.py, serving/openai_guard.py), each
+"""Attacks on the OpenAI-compatible server (serving/gateway/server.py, serving/gateway/guard.py), each
 of which must fail, against the real tritonserver: no or a wrong API key, a 10 MB body (declared
 or chunked), 100,000 `[`, a text/plain body such as any web page can have a browser send, and a
 flood past the bound on requests in flight that leaves those in flight whole."""

@@ -17,8 +17,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from client.stream import GenerationError, complete
-from serving.launcher import ADMIN_HEADER, GRPC_ADMIN_HEADER
-from serving.supervisor import EngineSupervisor
+from serving.launch.launcher import ADMIN_HEADER, GRPC_ADMIN_HEADER
+from serving.launch.supervisor import EngineSupervisor
 from tests.server.conftest import model_ready, start_test_server, wait_until_unloaded
 
 pytestmark = pytest.mark.server
@@ -126,7 +126,7 @@ def test_the_launcher_shuts_down_on_repeated_ctrl_c(tmp_path):
     repository = _repository_with_parameters(tmp_path, {})
     ports = [str(free_port()) for _ in range(4)]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "serving.launcher", "--model-repository", str(repository), "--http-port", ports[0],
+        [sys.executable, "-m", "serving.launch", "--model-repository", str(repository), "--http-port", ports[0],
          "--grpc-port", ports[1], "--metrics-port", ports[2], "--openai-port", ports[3], "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[2])
     try:

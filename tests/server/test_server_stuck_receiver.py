@@ -27,7 +27,7 @@ import pytest
 
 from backend.errors import INTERNAL_ERROR
 from client.stream import generate
-from serving.engine_stream import EngineStream, StreamError
+from serving.triton.engine_stream import EngineStream, StreamError
 from tests.server.conftest import idle, start_test_server
 
 RELAY = Path(__file__).parent / "bls_relay"

@@ -1,4 +1,4 @@
-"""The experiment's request log (serving/ab_log.py): lines as documented, rotation, reading back
+"""The experiment's request log (serving/experiments/request_log.py): lines as documented, rotation, reading back
 in order, and `specserve-ab replay` over a log giving the verdict the gateway would have."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 
 from client import ab_report
 from perf.ab_simulation import ARMS, Scenario, simulate
-from serving.ab_log import LoggedRequest, RequestColumns, RequestLog, hash_user, log_files, read_log
-from serving.ab_verdict import Verdict
+from serving.experiments.request_log import LoggedRequest, RequestColumns, RequestLog, hash_user, log_files, read_log
+from serving.experiments.verdict import Verdict
 
 
 def _logged(columns: RequestColumns) -> list[LoggedRequest]:

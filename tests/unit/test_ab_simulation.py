@@ -17,10 +17,10 @@ import pytest
 from scipy.stats import binom
 
 from perf.ab_simulation import ARMS, Scenario, a_a_scenarios, run, simulate_rollout
-from serving.ab_log import RequestColumns
-from serving.ab_metrics import ALPHA
-from serving.ab_verdict import Verdict
-from serving.rollout import RolloutPlan
+from serving.experiments.request_log import RequestColumns
+from serving.experiments.metrics import ALPHA
+from serving.experiments.verdict import Verdict
+from serving.experiments.rollout import RolloutPlan
 
 RUNS = 200
 SCALE = 0.1  # a tenth of the logs perf/ab_error_rates.py uses

@@ -1,4 +1,4 @@
-"""The verdict's statistics (serving/ab_sequential.py, serving/ab_verdict.py): exact running sums,
+"""The verdict's statistics (serving/experiments/sequential.py, serving/experiments/verdict.py): exact running sums,
 the cluster-robust variance, the mixture boundary, invariance to how requests are batched, and the
 decision rule. Error rates under continuous looks: tests/unit/test_ab_simulation.py."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from perf.ab_simulation import ARMS, Scenario, simulate
-from serving.ab_log import RequestColumns
-from serving.ab_sequential import Moments, UserMoments, compare, log_mixture_ratio, radius
-from serving.ab_metrics import TAIL_BURN_IN, VerdictConfig, VerdictError
-from serving.ab_verdict import Verdict
+from serving.experiments.request_log import RequestColumns
+from serving.experiments.sequential import Moments, UserMoments, compare, log_mixture_ratio, radius
+from serving.experiments.metrics import TAIL_BURN_IN, VerdictConfig, VerdictError
+from serving.experiments.verdict import Verdict
 
 TAUS = (0.025, 0.05, 0.1, 0.2, 0.4)
 

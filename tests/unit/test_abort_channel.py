@@ -14,12 +14,12 @@ import uuid
 import pytest
 import zmq
 
-from serving.abort_channel import AbortListener, abort_everywhere, instances_directory
-from serving.abort_key import checked_abort_key, key_digest, proves
-from serving.admission_gate import AdmissionGate
+from serving.triton.abort_channel import AbortListener, abort_everywhere, instances_directory
+from serving.triton.abort_key import checked_abort_key, key_digest, proves
+from serving.triton.admission_gate import AdmissionGate
 from backend.errors import ValidationError
-from serving.early_aborts import EarlyAborts
-from serving.runtime_directory import UnsafeDirectoryError, private_subdirectory, runtime_directory
+from serving.triton.early_aborts import EarlyAborts
+from serving.triton.runtime_directory import UnsafeDirectoryError, private_subdirectory, runtime_directory
 
 
 def test_an_abort_reaches_every_instance_of_the_model():

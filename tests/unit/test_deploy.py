@@ -269,7 +269,7 @@ def test_the_analysis_template_validates_against_the_crds_schema():
 def test_the_analysis_template_fails_the_canary_exactly_when_the_verdict_is_worse():
     """The web metric's jsonPath, run on the gateway's own report, gives the arm's decision; the
     conditions pass "better" and "no difference" and fail "worse"."""
-    from serving.ab_verdict import Verdict
+    from serving.experiments.verdict import Verdict
 
     metric = _analysis_template()["spec"]["metrics"][0]
     web = metric["provider"]["web"]

@@ -8,7 +8,7 @@ import torch
 from backend.config import EngineConfig
 from backend.device import check_gpus, device_of_rank, rank_device
 from backend.errors import ValidationError
-from serving.device_map import (
+from serving.triton.device_map import (
     InstancePlacement,
     check_nodes,
     instance_device,

@@ -1,4 +1,4 @@
-"""A/B experiments: sticky weighted assignment (serving/experiment.py) and the experiment file
+"""A/B experiments: sticky weighted assignment (serving/experiments/experiment.py) and the experiment file
 (its arms, metrics and rollout plan). The verdict: test_ab_verdict.py and test_ab_simulation.py;
 rollouts: test_rollout.py."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from serving.experiment import Experiment, ExperimentError
-from serving.rollout import load_experiment
+from serving.experiments.experiment import Experiment, ExperimentError
+from serving.experiments.rollout import load_experiment
 
 SPEC = {"name": "spec-on-off", "arms": [{"name": "control", "model": "llm", "weight": 90},
                                         {"name": "speculative", "model": "llm_b", "weight": 10}]}
@@ -86,7 +86,7 @@ def test_an_experiment_file_names_its_metrics_and_rollout(tmp_path):
 
 
 def test_a_bad_rollout_plan_is_refused():
-    from serving.rollout import RolloutPlan
+    from serving.experiments.rollout import RolloutPlan
 
     experiment = Experiment.from_dict(SPEC)
     for values, message in (({"arm": "control"}, "other than the control"),

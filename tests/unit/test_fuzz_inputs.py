@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backend.errors import ValidationError
-from serving import request_inputs
+from serving.triton import request_inputs
 from backend.sampling_params import INT32_MAX, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 
 

@@ -12,7 +12,7 @@ import resource, torch
 if {retain}:
     from backend.host_memory import retain_freed_memory
     assert retain_freed_memory()
-from kernels.paged_attention import paged_attention_ref
+from specserve_kernels.paged_attention import paged_attention_ref
 torch.set_num_threads(1)
 k_cache = torch.randn(600, 16, 2, 64)
 v_cache = torch.randn_like(k_cache)

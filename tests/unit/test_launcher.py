@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from serving import launcher
+from serving.launch import launcher
 
 
 def test_tritonserver_bin_comes_first(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""serving/openai_guard.py as plain ASGI: the nesting count, and each refusal decided before the
+"""serving/gateway/guard.py as plain ASGI: the nesting count, and each refusal decided before the
 handler runs (and before more of the body is read than the limit)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.responses import JSONResponse
 
-from serving.openai_guard import MAX_JSON_DEPTH, GuardConfig, OpenAIGuard, json_depth
+from serving.gateway.guard import MAX_JSON_DEPTH, GuardConfig, OpenAIGuard, json_depth
 
 KEY = "sk-test-0123456789"
 JSON = [(b"content-type", b"application/json")]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.preprocessor import Preprocessor
+from serving.triton.request_builder import Preprocessor
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from backend.model.quantized_linear import (
     swap_linears,
 )
 from backend.model.tensor_parallel import RowParallelLinear
-from kernels import int4_cpu
+from specserve_kernels import int4_cpu
 
 
 def q4_1_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -166,7 +166,7 @@ def test_fp8_holds_row_scaled_weights_and_multiplies_fp8_rows():
     """FP8 weights with one scale per row (its absolute maximum maps to 448) and the input's rows
     quantized per call: torch's _scaled_mm equals the FP8 product written out, and is within FP8's
     error of the float product."""
-    from kernels.gemv import gemv_fp8_ref
+    from specserve_kernels.gemv import gemv_fp8_ref
 
     g = torch.Generator().manual_seed(5)
     w, bias = torch.randn(48, 64, generator=g) / 8, torch.randn(48, generator=g)

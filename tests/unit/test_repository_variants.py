@@ -1,7 +1,7 @@
 """Model repositories made from another: parameters overridden, version directories linked."""
 from __future__ import annotations
 
-from serving.repository_variants import make_repository, override_parameters
+from serving.launch.repository_variants import make_repository, override_parameters
 
 CONFIG = """name: "m"
 parameters [

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from backend.errors import ValidationError
-from serving import request_inputs
+from serving.triton import request_inputs
 
 
 def _text(value: str) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Guarded rollouts (serving/rollout.py) over simulated traffic: steps, rollbacks with evidence,
+"""Guarded rollouts (serving/experiments/rollout.py) over simulated traffic: steps, rollbacks with evidence,
 the control's holdout at the last step, a hung arm, and a restart that resumes. Rates over many
 rollouts: tests/unit/test_ab_simulation.py."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 import pytest
 
 from perf.ab_simulation import ARMS, Scenario, Traffic
-from serving.ab_recorder import ExperimentRecorder
-from serving.ab_metrics import VerdictConfig
-from serving.experiment import Experiment
-from serving.rollout import Rollout, RolloutPlan
+from serving.experiments.recorder import ExperimentRecorder
+from serving.experiments.metrics import VerdictConfig
+from serving.experiments.experiment import Experiment
+from serving.experiments.rollout import Rollout, RolloutPlan
 
 EXPERIMENT = Experiment.from_dict({"name": "guarded", "arms": [
     {"name": ARMS[0], "model": "llm", "weight": 100}, {"name": ARMS[1], "model": "llm_b", "weight": 0}]})
@@ -122,7 +122,7 @@ def test_another_rollouts_saved_state_is_not_taken(tmp_path):
 
 
 def test_a_log_belongs_to_one_experiment(tmp_path):
-    from serving.experiment import ExperimentError
+    from serving.experiments.experiment import ExperimentError
 
     log = tmp_path / "experiment.jsonl"
     ExperimentRecorder(EXPERIMENT, CONFIG, log)

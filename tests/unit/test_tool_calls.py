@@ -1,4 +1,4 @@
-"""OpenAI tools for a template without tools (serving/tool_calls.py): rendering, constraints,
+"""OpenAI tools for a template without tools (serving/gateway/tool_calls.py): rendering, constraints,
 parsing whole and streamed answers, and the requests OpenAI refuses."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from serving.openai_protocol import OpenAIError, chat_inputs
-from serving.tool_calls import ToolError, ToolStream, read_tools, render_messages
+from serving.gateway.protocol import OpenAIError, chat_inputs
+from serving.gateway.tool_calls import ToolError, ToolStream, read_tools, render_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -139,7 +139,7 @@ BROKEN = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \n<
                          ids=["malformed", "unknown_name", "wrong_type", "missing_required", "not_an_object"])
 def test_a_bad_block_stays_content_and_the_calls_that_parsed_are_kept(bad, caplog):
     text = f"Checking.\n{block('get_weather', {'city': 'Paris'})}\n{bad}\n{block('get_time', {})}\nDone."
-    with caplog.at_level("INFO", logger="serving.tool_calls"):
+    with caplog.at_level("INFO", logger="serving.gateway.tool_calls"):
         content, calls = tools().parse(text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert content == f"Checking.\n\n{bad}\n\nDone."

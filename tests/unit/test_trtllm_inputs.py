@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from backend.errors import ValidationError
-from serving.trtllm_inputs import llm_inputs
+from serving.triton.trtllm_inputs import llm_inputs
 
 
 def _batch(value, dtype) -> np.ndarray:

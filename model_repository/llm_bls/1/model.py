@@ -1,7 +1,7 @@
-"""The `llm_bls` model; its logic is serving/llm_bls.py."""
+"""The `llm_bls` model; its logic is serving/triton/llm_bls.py."""
 import os
 import sys
 
 # the stub's interpreter ignores PYTHONPATH, where the launcher puts this project and its environment
 sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-from serving.llm_bls import TritonPythonModel  # noqa: E402,F401
+from serving.triton.llm_bls import TritonPythonModel  # noqa: E402,F401

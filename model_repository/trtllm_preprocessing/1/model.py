@@ -1,7 +1,7 @@
-"""The `trtllm_preprocessing` model; its logic is serving/preprocessing.py."""
+"""The `trtllm_preprocessing` model; its logic is serving/triton/preprocessing.py."""
 import os
 import sys
 
 # the stub's interpreter ignores PYTHONPATH, where the launcher puts this project and its environment
 sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-from serving.preprocessing import TritonPythonModel  # noqa: E402,F401
+from serving.triton.preprocessing import TritonPythonModel  # noqa: E402,F401
