@@ -61,6 +61,7 @@ class Verdict:
         self.strata: dict[tuple[int, int], int] = {}  # (period, arm index) -> stratum
         self.periods: list[int] = []
         self.moments = UserMoments(len(self.metrics))
+        self.values = np.zeros(len(self.metrics), np.int64)  # values taken into each metric's test
         self.thresholds: dict[tuple[str, int], float] = {}  # (tail metric, period) -> seconds
         self.burn_in: dict[tuple[str, int], list[tuple[int, int, float]]] = {}  # -> (user, stratum, value)
         self.states = {(arm, m.name): SequentialState() for arm in self.arms[1:] for m in self.metrics}
@@ -193,6 +194,7 @@ class Verdict:
 
     def _take(self, users, strata, values, valid, at: np.ndarray) -> None:
         moments = self.moments.add(users, strata, values, valid, len(self.strata))
+        self.values += valid.sum(axis=1)
         for i, metric in enumerate(self.metrics):
             if not valid[i].any():
                 continue
@@ -282,7 +284,7 @@ class Verdict:
                   "estimate": None if math.isnan(state.theta) else shown(state.theta),
                   "interval": None if math.isinf(low) or math.isinf(high) else [shown(low), shown(high)],
                   "p_value": state.p_value, "decided_at": state.decided_at, "direction": state.direction,
-                  "values": int(self.moments.counts[self.config.tested.index(name)].sum())}
+                  "values": int(self.values[self.config.tested.index(name)])}
         if name in self.config.guardrails:
             report |= {"margin": self.config.guardrails[name], "non_inferior_at": state.non_inferior_at}
         return report

@@ -8,9 +8,12 @@ In order, each refusal in OpenAI's error shape and closing the connection (the b
        web page can make a browser send to another origin without a CORS preflight: refusing them
        keeps other sites' pages from driving this server through a visitor's browser.
   413  a Content-Length over `max_body_bytes`, at once.
-  429  `max_concurrent_requests` POSTs already in flight (with Retry-After); a POST is in flight
-       from its first body byte until its response's last, a streamed one included, so those
-       admitted are unharmed and the memory held in bodies is bounded.
+  429  `max_concurrent_requests` requests already in flight (with Retry-After), or, for a read (any
+       method but POST: the experiment's verdict, its page, /metrics), `max_concurrent_reads`
+       reads. A request is in flight from its first body byte (a read: from its start) until its
+       response's last, a streamed one included, so those admitted are unharmed and the memory
+       held in bodies is bounded; reads take at most their own small share of the bound, so a
+       flood of them leaves the rest to generation. /health is not counted: probes need it.
   413  a chunked body that grows past `max_body_bytes`, as soon as it does.
   400  JSON nested deeper than MAX_JSON_DEPTH: counted over the raw bytes in one linear pass, since
        json.loads recurses once per level and fails on deep input (a RecursionError: a 500).
@@ -31,6 +34,7 @@ from serving.gateway.protocol import OpenAIError
 API_KEY_ENV = "SPECSERVE_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_CONCURRENT_REQUESTS = 256
+DEFAULT_MAX_CONCURRENT_READS = 8  # each a handful of milliseconds: an operator's dashboards, probes of a canary
 MAX_JSON_DEPTH = 64  # arrays and objects; an OpenAI request nests a handful deep
 OPEN_PATHS = frozenset({"/health"})
 RETRY_AFTER_S = 1
@@ -46,6 +50,7 @@ class GuardConfig:
     api_key: str | None = field(default=None, repr=False)  # None: no key asked for
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    max_concurrent_reads: int = DEFAULT_MAX_CONCURRENT_READS  # of those, reads (not POSTs) at most
 
     def __post_init__(self):
         if self.api_key is not None and (not self.api_key or not self.api_key.isascii()
@@ -55,6 +60,8 @@ class GuardConfig:
             raise ValueError(f"max_body_bytes must be at least 1, not {self.max_body_bytes}")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"max_concurrent_requests must be at least 1, not {self.max_concurrent_requests}")
+        if self.max_concurrent_reads < 1:
+            raise ValueError(f"max_concurrent_reads must be at least 1, not {self.max_concurrent_reads}")
 
 
 def json_depth(raw: bytes) -> int:
@@ -70,20 +77,24 @@ class OpenAIGuard:
     def __init__(self, app: ASGIApp, config: GuardConfig):
         self.app, self.config = app, config
         self.bearer = None if config.api_key is None else config.api_key.encode()
-        self.in_flight = 0  # POSTs between their first body byte and their response's last
+        self.in_flight = 0  # requests between their first body byte (a read's start) and their response's last
+        self.reads_in_flight = 0  # of those, reads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if (error := self._refusal(scope, Headers(scope=scope))) is not None:
             return await _refuse(error, scope, receive, send)
-        if scope["method"] != "POST":
+        read = scope["method"] != "POST"
+        if read and scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         self.in_flight += 1
+        self.reads_in_flight += read
         try:
-            await self._forward(scope, receive, send)
+            await (self.app(scope, receive, send) if read else self._forward(scope, receive, send))
         finally:
             self.in_flight -= 1
+            self.reads_in_flight -= read
 
     def _refusal(self, scope: Scope, headers: Headers) -> OpenAIError | None:
         if self.bearer is not None and scope["path"] not in OPEN_PATHS:
@@ -94,7 +105,8 @@ class OpenAIGuard:
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode("latin-1"), self.bearer):
                 return OpenAIError("the API key is not valid", 401, code="invalid_api_key")
         if scope["method"] != "POST":
-            return None
+            full = self.reads_in_flight >= self.config.max_concurrent_reads
+            return None if scope["path"] in OPEN_PATHS else self._busy(full)
         media_type, _, parameters = headers.get("content-type", "").partition(";")
         charset = parameters.strip().lower().removeprefix("charset=").strip('"')
         if media_type.strip().lower() != "application/json" or charset not in ("", "utf-8"):
@@ -102,10 +114,15 @@ class OpenAIGuard:
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.config.max_body_bytes:
             return _too_large(self.config.max_body_bytes)
-        if self.in_flight >= self.config.max_concurrent_requests:
-            return OpenAIError(f"{self.in_flight} requests are in flight, the most this server takes; retry later",
-                               429, kind="requests", code="rate_limit_exceeded")  # OpenAI's words for it
-        return None
+        return self._busy(False)
+
+    def _busy(self, reads_full: bool) -> OpenAIError | None:
+        """A 429 when the bound is reached (or, for a read, the reads' share of it)."""
+        if not reads_full and self.in_flight < self.config.max_concurrent_requests:
+            return None
+        count, what = (self.reads_in_flight, "reads") if reads_full else (self.in_flight, "requests")
+        return OpenAIError(f"{count} {what} are in flight, the most this server takes; retry later",
+                           429, kind="requests", code="rate_limit_exceeded")  # OpenAI's words for it
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Read the body (bounded), check its nesting, and hand it on."""

@@ -217,3 +217,22 @@ def test_percentiles_come_from_the_histograms_within_a_bin():
 def test_moments_slice_one_metric():
     m = Moments(np.zeros((2, 3, 3, 4)), np.ones((2, 3, 3, 4)), np.full((2, 3, 3, 4), 2.0))
     assert m[1].C.shape == (3, 3, 4) and float(m[1].P[0, 0, 0]) == 2.0
+
+
+def test_a_report_costs_the_same_whatever_the_requests_and_users():
+    """A read of the verdict (every GET of /v1/experiment) is O(arms x metrics x strata^2): it
+    allocates no more after 20,000 requests from 10,000 users than after 2,000 from 200, and
+    counts each metric's values from a running total, equal to the per-user counts' sum."""
+    import tracemalloc
+
+    peaks = []
+    for requests, users in ((2000, 200), (20_000, 10_000)):
+        verdict = _verdict(simulate(Scenario("big", ((requests, (50, 50)),), users=users), 5), 4096)
+        verdict.report()  # first use of every code path
+        tracemalloc.start()
+        report = verdict.report()
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        for i, name in enumerate(verdict.config.tested):
+            assert report["arms"]["treatment"]["metrics"][name]["values"] == verdict.moments.counts[i].sum()
+    assert peaks[1] < 200_000 and peaks[1] < 1.5 * peaks[0], peaks

@@ -160,19 +160,49 @@ def test_requests_past_the_bound_get_429_and_those_in_flight_finish():
         held = [asyncio.create_task(call(guard)) for _ in range(2)]
         await asyncio.sleep(0.01)
         refused = await call(guard)
-        gets = await call(guard, [], (b"",), "GET", "/v1/models")  # only POSTs count
+        gets = await call(guard, [], (b"",), "GET", "/v1/experiment")  # reads count too
+        health = await call(guard, [], (b"",), "GET", "/health")  # but not the probes'
         release.set()
         finished = await asyncio.gather(*held)
-        return refused, gets, finished, guard.in_flight, await call(guard)
+        return refused, gets, health, finished, guard.in_flight, await call(guard)
 
-    (status, headers, body, _), gets, finished, in_flight, after = asyncio.run(flood())
+    (status, headers, body, _), gets, health, finished, in_flight, after = asyncio.run(flood())
     assert status == 429 and headers[b"retry-after"] == b"1"
     assert body["error"]["code"] == "rate_limit_exceeded"
-    assert gets[0] == 200 and [f[0] for f in finished] == [200, 200] and in_flight == 0 and after[0] == 200
+    assert gets[0] == 429 and health[0] == 200
+    assert [f[0] for f in finished] == [200, 200] and in_flight == 0 and after[0] == 200
+
+
+class SlowReads(Handler):
+    """Reads wait for `release`; POSTs are answered at once."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["method"] != "POST":
+            await self.release.wait()
+        await JSONResponse({"ok": True})(scope, receive, send)
+
+
+def test_reads_take_their_share_of_the_bound_and_generation_keeps_the_rest():
+    """Reads held open past their share get a 429; POSTs are served up to the bound beside them."""
+    async def flood():
+        handler = SlowReads(asyncio.Event())
+        guard = OpenAIGuard(handler, GuardConfig(max_concurrent_requests=5, max_concurrent_reads=2))
+        reads = [asyncio.create_task(call(guard, [], (b"",), "GET", "/v1/experiment")) for _ in range(10)]
+        await asyncio.sleep(0.01)
+        held = guard.in_flight, guard.reads_in_flight
+        posts = await asyncio.gather(*(call(guard) for _ in range(3)))
+        handler.release.set()
+        return held, posts, await asyncio.gather(*reads), guard.in_flight
+
+    (in_flight, reads_in_flight), posts, reads, after = asyncio.run(flood())
+    assert (in_flight, reads_in_flight) == (2, 2) and after == 0
+    assert [p[0] for p in posts] == [200, 200, 200]
+    assert sorted(r[0] for r in reads) == [200] * 2 + [429] * 8
+    assert "2 reads are in flight" in next(r for r in reads if r[0] == 429)[2]["error"]["message"]
 
 
 @pytest.mark.parametrize("config", [dict(api_key=""), dict(api_key="a b"), dict(max_body_bytes=0),
-                                    dict(max_concurrent_requests=0)])
+                                    dict(max_concurrent_requests=0), dict(max_concurrent_reads=0)])
 def test_bad_configs_are_refused(config):
     with pytest.raises(ValueError):
         GuardConfig(**config)
