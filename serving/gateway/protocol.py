@@ -22,7 +22,9 @@ from typing import Any
 from backend.core.grammar_compiler import STRICT_KEY
 from backend.core.json_schema import prepare
 from backend.errors import ValidationError
+from serving.gateway.chat_template import ChatTemplate, ChatTemplateError, needs_template
 from serving.gateway.tool_calls import ToolError, Tools, read_tools, render_messages
+from serving.gateway.tool_parsers import PARSERS, ToolParser
 
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's own limit
@@ -30,7 +32,7 @@ UNSUPPORTED = {  # parameter -> the one value accepted
     "n": 1, "best_of": 1, "logit_bias": None, "functions": None,
     "function_call": None, "suffix": None, "audio": None, "modalities": None, "prediction": None,
 }
-CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "response_format")  # refused by completions
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "tool_call_parser", "response_format")  # refused by completions
 VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")  # checked by `llm`
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
 
@@ -82,7 +84,10 @@ def completion_inputs(body: dict) -> GenerationRequest:
     )
 
 
-def chat_inputs(body: dict) -> GenerationRequest:
+def chat_inputs(body: dict, template: ChatTemplate | None = None, parser: ToolParser | None = None,
+                ) -> GenerationRequest:
+    """`template`: the model's chat template where the gateway has it (--tokenizer); `parser`: the
+    format of `auto` calls unless the request says (else the template's, else hermes)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("messages must be a non-empty list", param="messages")
@@ -94,9 +99,14 @@ def chat_inputs(body: dict) -> GenerationRequest:
         if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
             raise OpenAIError("tool_calls must be a list of calls", param=f"messages[{i}].tool_calls")
         content = "" if calls and message.get("content") is None else _content(message.get("content"), i)
-        chat.append({"role": message["role"], "content": content} | ({"tool_calls": calls} if calls else {}))
+        extra = {"tool_calls": calls} if calls else {}
+        if message["role"] == "tool" and isinstance(message.get("tool_call_id"), str):
+            extra["tool_call_id"] = message["tool_call_id"]
+        chat.append({"role": message["role"], "content": content} | extra)
+    native = template is not None and template.takes_tools  # the template renders tools itself
+    parser = parser or (template.parser if native else PARSERS["hermes"])
     try:
-        tools = read_tools(body)
+        tools = read_tools(body, parser)
     except ToolError as e:
         raise OpenAIError(str(e), param=e.param) from None
     guide = _response_format(body.get("response_format"))
@@ -105,14 +115,20 @@ def chat_inputs(body: dict) -> GenerationRequest:
                           param="response_format")
     if tools is not None and tools.forced:
         guide = tools.guided_decoding()
-    chat = render_messages(chat, tools)
+    if native and needs_template(chat, tools):
+        try:
+            prompt = {"text_input": template.render(chat, body["tools"] if tools is not None else None)}
+        except ChatTemplateError as e:
+            raise OpenAIError(str(e), param="messages") from None
+    else:
+        prompt = {"messages": json.dumps(render_messages(chat, tools))}
     logprobs = None
     if _optional_bool(body, "logprobs"):
         logprobs = _optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     elif body.get("top_logprobs") is not None:
         raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return GenerationRequest({"messages": json.dumps(chat), **_sampling(body, max_tokens)}, _stream(body),
+    return GenerationRequest(prompt | _sampling(body, max_tokens), _stream(body),
                              _include_usage(body), logprobs, None, guide, tools)
 
 

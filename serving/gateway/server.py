@@ -70,7 +70,9 @@ from serving.gateway.protocol import (
     completion_inputs,
     completion_logprobs,
 )
-from serving.gateway.tool_calls import ToolStream
+from serving.gateway.chat_template import ChatTemplate
+from serving.gateway.tool_parsers import PARSER_NAMES, PARSERS
+from serving.gateway.tool_stream import ToolStream
 
 TRITON_MODEL = "llm"
 log = logging.getLogger(__name__)
@@ -288,7 +290,8 @@ class ExperimentGate:
 def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = None,
                experiment: Experiment | None = None, admin_key: str | None = None,
                rollout: RolloutPlan | None = None, rollout_interval_s: float = ROLLOUT_INTERVAL_S,
-               verdict: VerdictConfig | None = None, experiment_log: str | None = None) -> FastAPI:
+               verdict: VerdictConfig | None = None, experiment_log: str | None = None,
+               template: ChatTemplate | None = None, tool_call_parser: str | None = None) -> FastAPI:
     gate = ExperimentGate(experiment, admin_key, rollout, verdict, experiment_log) if experiment is not None else None
 
     @contextlib.asynccontextmanager
@@ -301,6 +304,8 @@ def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = N
     app = FastAPI(title="specserve OpenAI-compatible API", lifespan=lifespan)
     app.add_middleware(OpenAIGuard, config=guard or GuardConfig())
     triton = TritonClient(triton_url)
+    parser = PARSERS[tool_call_parser] if tool_call_parser else None
+    read_chat = lambda body: chat_inputs(body, template, parser)  # noqa: E731
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
@@ -322,7 +327,7 @@ def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = N
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _serve(request, triton.get(), served_model, "chat.completion", chat_inputs, gate)
+        return await _serve(request, triton.get(), served_model, "chat.completion", read_chat, gate)
 
     if gate is not None:
         @app.get("/v1/experiment")
@@ -564,6 +569,11 @@ def main() -> None:
     p.add_argument("--experiment-log", default=None,
                    help="the experiment's request log (JSON lines, rotated); beside it the weights and the rollout's "
                         "state, so a restart resumes both (docs/experiments.md)")
+    p.add_argument("--tokenizer", default=None,
+                   help="the served model's tokenizer directory: a chat template that takes tools renders them "
+                        "(docs/guided-decoding.md); default: the system-prompt rendering")
+    p.add_argument("--tool-call-parser", choices=PARSER_NAMES, default=None,
+                   help="the format of calls in tool_choice auto (default: the template's, else hermes)")
     args = p.parse_args()
     try:
         guard = GuardConfig(args.api_key, args.max_body_bytes, args.max_concurrent_requests)
@@ -576,7 +586,8 @@ def main() -> None:
         logging.warning("a rollout without --experiment-log starts over if the gateway restarts")
     try:
         app = create_app(args.triton, args.served_model_name, guard, experiment, args.admin_key, rollout,
-                         args.rollout_interval, verdict, args.experiment_log)
+                         args.rollout_interval, verdict, args.experiment_log,
+                         ChatTemplate.load(args.tokenizer) if args.tokenizer else None, args.tool_call_parser)
     except ValueError as e:  # an experiment log that is another experiment's
         p.error(str(e))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)

@@ -1,23 +1,26 @@
-"""OpenAI tool calling for a chat model whose template knows nothing of tools (SmolLM2's does not):
-the tools are rendered into the system prompt, calls are written Hermes-style, and a call the
-client forces is enforced by a JSON Schema constraint (guided decoding).
+"""OpenAI tool calling: the request's tools checked, shown to the model, and its calls read back.
 
     tools          each {"type": "function", "function": {"name", "description", "parameters"}}
     tool_choice    "none": no tools shown; "auto" (the default with tools): the model may answer or
-                   call, a call written as <tool_call>{"name": ..., "arguments": {...}}</tool_call>;
-                   "required": the output is a JSON array of calls, each {"name", "arguments"}
+                   call, in its own format (serving/gateway/tool_parsers.py); "required": the
+                   output is constrained to a JSON array of calls, each {"name", "arguments"}
                    matching one tool's parameters (one call when parallel_tool_calls is false);
                    {"type": "function", "function": {"name": N}}: the output is N's arguments
-Conversation turns carry the calls as the model writes them: an assistant message's `tool_calls`
-become <tool_call> blocks, a `tool` message a user turn holding <tool_response>...</tool_response>.
+    tool_call_parser  (vLLM's name) hermes, llama3_json or mistral: the format `auto` calls are
+                   read in; by default the model's template's (serving/gateway/chat_template.py)
 
-In `auto` mode each <tool_call> block is read on its own: a block that does not parse, names no
-tool, or whose arguments do not satisfy the tool's parameters (JsonChecker: the grammar a forced
-call would be constrained by) stays in the message's content as the model wrote it, and the
-reason is logged; the calls that did parse are kept, and so is the text around them. Arguments
-written as a JSON string holding an object are taken. With parallel_tool_calls false the first
-call is kept and the others are dropped (logged). A forced call that does not parse (cut off by
-max_tokens) is left as the content.
+A model whose chat template takes `tools` gets them, its calls and the tools' results through that
+template. Otherwise (SmolLM2's template has no tools) the tools go into the system prompt and calls
+are written Hermes-style: an assistant message's `tool_calls` become <tool_call> blocks, a `tool`
+message a user turn holding <tool_response>...</tool_response>.
+
+In `auto` mode each block is read on its own: one that does not parse, names no tool, or whose
+arguments do not satisfy the tool's parameters (JsonChecker: the grammar a forced call would be
+constrained by) stays in the message's content as the model wrote it, and the reason is logged;
+the calls that did parse are kept, and so is the text around them. Arguments written as a JSON
+string holding an object are taken. With parallel_tool_calls false the first call is kept and the
+others are dropped (logged). A forced call cut off by max_tokens is returned as far as it was
+written (finish_reason "length"), streamed or not.
 """
 from __future__ import annotations
 
@@ -31,9 +34,9 @@ from typing import Any
 from backend.core.grammar_compiler import json_checker
 from backend.core.json_schema import prepare
 from backend.errors import ValidationError
+from serving.gateway.tool_parsers import PARSER_NAMES, PARSERS, Block, CallArrayReader, ToolParser
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 CALL_START = "<tool_call>"
 MAX_TOOLS = 128
 log = logging.getLogger(__name__)
@@ -68,6 +71,7 @@ class Tools:
     choice: str  # "none", "auto", "required" or "named"
     named: str | None = None  # the function tool_choice names
     parallel: bool = True
+    parser: ToolParser = PARSERS["hermes"]  # the format `auto` calls are written in
 
     @property
     def forced(self) -> bool:
@@ -95,39 +99,70 @@ class Tools:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(the message's content, its calls) from the model's whole output."""
+        if self.forced:
+            calls = self.forced_calls(text)
+            return (None, calls) if calls else (text, [])
+        content, calls = self.read(text, final=True)
+        return (content if content.strip() or not calls else None), calls
+
+    def forced_calls(self, text: str, reader: CallArrayReader | None = None) -> list[ToolCall]:
+        """A forced answer's calls, as far as they were written (max_tokens may cut one): the
+        arguments exactly as the model wrote them."""
         if self.choice == "named":
-            return (None, [ToolCall(self.named, _compact(text))]) if _is_json(text) else (text, [])
-        if self.choice == "required":
-            try:
-                calls = [ToolCall(c["name"], json.dumps(_arguments(c))) for c in json.loads(text)]
-                return None, calls
-            except (json.JSONDecodeError, TypeError, KeyError, ValueError):
-                return text, []
-        content, calls = self.read_blocks(text)
-        return (content.strip() or None, calls) if calls else (text, [])
+            return [ToolCall(self.named, text)]
+        if reader is None:
+            reader = CallArrayReader()
+            reader.feed(text)
+        return [ToolCall(name, arguments) for name, arguments in reader.calls()]
 
-    def read_blocks(self, text: str) -> tuple[str, list[ToolCall]]:
-        """An `auto` answer's <tool_call> blocks: (the text with the calls taken out, the calls)."""
+    def read(self, text: str, final: bool, cache: dict[int, tuple[list[ToolCall], str]] | None = None,
+             ) -> tuple[str, list[ToolCall]]:
+        """An `auto` answer's decided part (all of it when `final`): (its content: the text with
+        the calls taken out, its calls). `cache` keeps each block's reading between calls on a
+        growing answer (the same ids, one log line)."""
+        cache = {} if cache is None else cache
+        content: list[str] = []
         calls: list[ToolCall] = []
-        kept, start = [], 0
-        for match in CALL_BLOCK.finditer(text):
-            kept.append(text[start:match.start()])
-            start = match.end()
-            call, reason = self._call(match.group(1))
-            if call is not None and calls and not self.parallel:
-                log.info("a call after the first is dropped: parallel_tool_calls is false")
-            elif call is None:
-                log.info("a <tool_call> block is left as content: %s", reason)
-                kept.append(match.group(0))
-            else:
+        for part in self.parser.scan(text, final).parts:
+            if isinstance(part, str):
+                content.append(part)
+                continue
+            if part.start not in cache:
+                cache[part.start] = self._block(part)
+            accepted, left = cache[part.start]
+            for call in accepted:
+                if calls and not self.parallel:
+                    if final:
+                        log.info("a call after the first is dropped: parallel_tool_calls is false")
+                    continue
                 calls.append(call)
-        return "".join(kept) + text[start:], calls
+            content.append(left)
+        return "".join(content), calls
 
-    def _call(self, block: str) -> tuple[ToolCall | None, str]:
-        """A block's call, or (None, why it is not one)."""
+    def _block(self, block: Block) -> tuple[list[ToolCall], str]:
+        """A block's calls, and the text it leaves in the content: all of it if no call is
+        taken, else the calls that were not (as JSON)."""
         try:
-            call = json.loads(block)
-            name, arguments = call["name"], _arguments(call)
+            values = block.calls()
+        except ValueError as e:
+            log.info("a tool call block is left as content: it is not JSON (%s)", e)
+            return [], block.raw
+        accepted, rejected = [], []
+        for value in values:
+            call, reason = self._call(value)
+            if call is None:
+                log.info("a tool call is left as content: %s", reason)
+                rejected.append(value)
+            else:
+                accepted.append(call)
+        if not accepted:
+            return [], block.raw
+        return accepted, "".join(json.dumps(value) for value in rejected)
+
+    def _call(self, value: Any) -> tuple[ToolCall | None, str]:
+        """A call's JSON value as a call, or (None, why it is not one)."""
+        try:
+            name, arguments = value["name"], _arguments(value)
         except (json.JSONDecodeError, TypeError, KeyError, ValueError) as e:
             return None, f"it is not {{\"name\": ..., \"arguments\": {{...}}}} ({type(e).__name__})"
         if not isinstance(name, str) or name not in self.functions:
@@ -139,7 +174,9 @@ class Tools:
 
 def _arguments(call: dict) -> dict:
     """A call's arguments: an object, or a JSON string holding one; ValueError otherwise."""
-    arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+    if not isinstance(call, dict):
+        raise ValueError("a call must be an object")
+    arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):
         arguments = json.loads(arguments)
     if not isinstance(arguments, dict):
@@ -147,9 +184,15 @@ def _arguments(call: dict) -> dict:
     return arguments
 
 
-def read_tools(body: dict) -> Tools | None:
-    """The request's tools and tool_choice, checked; None when it has none (or tool_choice none)."""
+def read_tools(body: dict, parser: ToolParser = PARSERS["hermes"]) -> Tools | None:
+    """The request's tools and tool_choice, checked; None when it has none (or tool_choice none).
+    `parser`: the format `auto` calls are read in unless the request's tool_call_parser says."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parser_name = body.get("tool_call_parser")
+    if parser_name is not None:
+        if parser_name not in PARSERS:
+            raise ToolError("tool_call_parser", f"tool_call_parser must be one of {', '.join(PARSER_NAMES)}")
+        parser = PARSERS[parser_name]
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls", "parallel_tool_calls must be a boolean")
@@ -179,7 +222,7 @@ def read_tools(body: dict) -> Tools | None:
         if choice == "none":
             return None
         _check_parameters(functions, checked=choice != "required")
-        return Tools(functions, choice or "auto", parallel=parallel is not False)
+        return Tools(functions, choice or "auto", parallel=parallel is not False, parser=parser)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if named is None:
@@ -188,7 +231,7 @@ def read_tools(body: dict) -> Tools | None:
     if named not in functions:
         raise ToolError("tool_choice", f"tool_choice names {named!r}, which is not among the tools")
     _check_parameters(functions, checked=False)
-    return Tools(functions, "named", named, parallel=parallel is not False)
+    return Tools(functions, "named", named, parallel=parallel is not False, parser=parser)
 
 
 def _check_parameters(functions: dict[str, dict], checked: bool) -> None:
@@ -234,66 +277,3 @@ def _call_json(call: Any) -> str:
     return json.dumps({"name": function.get("name", ""), "arguments": arguments})
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-        return True
-    except json.JSONDecodeError:
-        return False
-
-
-def _compact(text: str) -> str:
-    return json.dumps(json.loads(text))
-
-
-class ToolStream:
-    """A streamed answer's text deltas as chat deltas: a named call's arguments as they come; the
-    calls of `required` and `auto` once the answer is whole (auto streams its content until a
-    <tool_call> could begin)."""
-
-    def __init__(self, tools: Tools):
-        self.tools = tools
-        self.text = ""
-        self.sent = 0  # characters of text sent as content (auto) or arguments (named)
-        self.called = False
-
-    def feed(self, delta: str) -> list[dict]:
-        self.text += delta
-        if self.tools.choice == "named":
-            out = []
-            if not self.called:
-                self.called = True
-                out.append({"tool_calls": [ToolCall(self.tools.named, "").openai(0)]})
-            if delta:
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
-            return out
-        if self.tools.choice == "required":
-            return []
-        start = self.text.find(CALL_START, self.sent)
-        safe = start if start >= 0 else len(self.text) - _partial_marker(self.text)
-        if safe <= self.sent:
-            return []
-        content, self.sent = self.text[self.sent:safe], safe
-        return [{"content": content}]
-
-    def finish(self) -> list[dict]:
-        """The deltas once the answer is whole; `called` says whether it was a call."""
-        if self.tools.choice == "named":
-            return []
-        if self.tools.choice == "required":
-            content, calls = self.tools.parse(self.text)
-            content = content or ""
-        else:  # the content not sent yet: what the calls leave of the text after the first call could begin
-            content, calls = self.tools.read_blocks(self.text)
-            content = content[self.sent:] if calls else self.text[self.sent:]
-        self.called = bool(calls)
-        deltas = [{"content": content}] if content.strip() or (content and not calls) else []
-        return deltas + [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
-
-
-def _partial_marker(text: str) -> int:
-    """How many of text's last characters could begin a <tool_call> marker."""
-    for n in range(min(len(CALL_START) - 1, len(text)), 0, -1):
-        if CALL_START.startswith(text[-n:]):
-            return n
-    return 0

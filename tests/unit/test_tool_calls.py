@@ -1,5 +1,6 @@
 """OpenAI tools for a template without tools (serving/gateway/tool_calls.py): rendering, constraints,
-parsing whole and streamed answers, and the requests OpenAI refuses."""
+reading whole answers, and the requests OpenAI refuses. Streams: test_tool_stream.py; the
+formats: test_tool_parsers.py."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import json
 import pytest
 
 from serving.gateway.protocol import OpenAIError, chat_inputs
-from serving.gateway.tool_calls import ToolError, ToolStream, read_tools, render_messages
+from serving.gateway.tool_calls import ToolError, read_tools, render_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -48,7 +49,7 @@ def test_forced_calls_become_json_schema_constraints():
 
 def test_parsing_whole_answers():
     content, [call] = tools().parse("Let me check.\n" + CALL)
-    assert content == "Let me check." and (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    assert content == "Let me check.\n" and (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
     assert call.id.startswith("call_")
     assert tools().parse("It is sunny.") == ("It is sunny.", [])
     assert tools().parse('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')[1] == []  # not a tool
@@ -57,27 +58,12 @@ def test_parsing_whole_answers():
                                        '"arguments": {"city": "Oslo"}}]')
     assert [c.name for c in calls] == ["get_time", "get_weather"]
     named = tools({"type": "function", "function": {"name": "get_weather"}})
-    assert named.parse('{"city":  "Rome"}')[1][0].arguments == '{"city": "Rome"}'
-    assert named.parse('{"city": "Ro')[1] == []  # cut by max_tokens: left as content
-
-
-def test_streaming_auto_holds_back_a_possible_call_marker():
-    stream = ToolStream(tools())
-    out = [d for piece in ("Let me ", "check. <tool", "_call>\n{\"name\": \"get_weather\", \"arguments\": "
-                           "{\"city\": \"Paris\"}}\n</tool_call>") for d in stream.feed(piece)]
-    assert "".join(d["content"] for d in out) == "Let me check. "
-    [final] = stream.finish()
-    assert stream.called and final["tool_calls"][0]["function"]["name"] == "get_weather"
-    plain = ToolStream(tools())
-    text = [d for piece in ("It is <", "b>sunny</b>") for d in plain.feed(piece)] + plain.finish()
-    assert "".join(d["content"] for d in text) == "It is <b>sunny</b>" and not plain.called
-
-
-def test_streaming_a_named_call_streams_its_arguments():
-    stream = ToolStream(tools({"type": "function", "function": {"name": "get_weather"}}))
-    deltas = stream.feed('{"city": ') + stream.feed('"Paris"}') + stream.finish()
-    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas[1:]) == '{"city": "Paris"}'
+    content, [call] = named.parse('{"city":  "Rome"}')
+    assert content is None and call.arguments == '{"city":  "Rome"}'  # as written
+    assert named.parse('{"city": "Ro')[1][0].arguments == '{"city": "Ro'  # cut by max_tokens: as far as written
+    _, [cut] = tools("required").parse('[{"name": "get_weather", "arguments": {"city": "Os')
+    assert (cut.name, cut.arguments) == ("get_weather", '{"city": "Os')
+    assert tools("required").parse('[{"name": "get_wea') == ('[{"name": "get_wea', [])  # no name yet: content
 
 
 @pytest.mark.parametrize("body,param", [
@@ -148,7 +134,7 @@ def test_a_bad_block_stays_content_and_the_calls_that_parsed_are_kept(bad, caplo
 
 def test_arguments_as_a_json_string_extra_keys_and_key_order_are_taken():
     content, calls = tools().parse(block("get_weather", json.dumps({"city": "Oslo"})) + "\nThat is all.")
-    assert content == "That is all." and json.loads(calls[0].arguments) == {"city": "Oslo"}
+    assert content == "\nThat is all." and json.loads(calls[0].arguments) == {"city": "Oslo"}
     unit = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
         "required": ["city"]}}}
@@ -181,19 +167,3 @@ def test_a_response_format_that_cannot_be_enforced_is_refused_naming_it(strict):
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}})
     assert error.value.param == "response_format"
     assert str(error.value) == "JSON Schema keyword 'contains' is not supported (at #/properties/ids)"
-
-
-@pytest.mark.parametrize("text", [
-    "Let me check.\n" + CALL + "\nAnd the time: " + block("get_time", {}) + " done",
-    "No call here <tool_call> {broken",
-    block("get_weather", {"city": "Paris"}) + BROKEN + "tail",
-    "plain answer",
-])
-def test_streamed_auto_answers_give_the_same_calls_and_content_as_whole_ones(text):
-    whole_content, whole_calls = tools().parse(text)
-    stream = ToolStream(tools())
-    deltas = [d for i in range(0, len(text), 7) for d in stream.feed(text[i:i + 7])] + stream.finish()
-    streamed = "".join(d.get("content", "") for d in deltas)
-    calls = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
-    assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
-    assert streamed.strip() == (whole_content or "").strip() and stream.called == bool(whole_calls)
