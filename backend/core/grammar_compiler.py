@@ -22,7 +22,7 @@ step: a cold JSON Schema takes some 20 ms, which would stall every request in th
 A constraint that does not compile (a schema that is not one, a keyword that cannot be enforced,
 a regex or grammar with a syntax error, a regex no string matches) is a ValidationError naming
 `guided_decoding`. So is one past the bounds on what compiling may cost: its size, nesting and
-regex repetition counts (json_schema.SchemaLimits), checked before compiling, and the time
+regex repetition counts (json_schema_limits.SchemaLimits), checked before compiling, and the time
 compiling takes (compile_timeout_s; xgrammar cannot be stopped, so one compiling thread runs them
 in turn, and a constraint that ran past the bound is remembered and refused at once thereafter).
 """
@@ -38,7 +38,9 @@ from typing import Any
 
 import xgrammar
 
-from backend.core.json_schema import SchemaLimits, check_repetitions, in_schema_order, prepare
+from backend.core.json_schema import prepare
+from backend.core.json_schema_limits import SchemaLimits, check_repetitions
+from backend.core.json_schema_order import in_schema_order
 from backend.errors import ValidationError
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)

@@ -35,19 +35,20 @@ the schema xgrammar compiles, or raises a ValidationError naming the keyword and
                           validator reads them either
 
 The output may be stricter than the schema (a type made explicit from its keywords), never looser.
-Size bounds (SchemaLimits) are checked on the way, before anything compiles.
+Size bounds (SchemaLimits, json_schema_limits.py) are checked on the way, before anything compiles.
 """
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 from backend.core import json_schema_merge as merge
+from backend.core.json_schema_limits import SchemaLimits, check_repetitions
 from backend.core.json_schema_merge import (ARRAY_KEYWORDS, FIELD, NUMBER_KEYWORDS, OBJECT_KEYWORDS, STRING_KEYWORDS,
                                             refuse)
+from backend.core.json_schema_patterns import FORMAT_PATTERNS, FORMATS, UNSUPPORTED_REGEX, search_as_match
 from backend.errors import ValidationError
 
 ANNOTATIONS = frozenset({
@@ -60,19 +61,6 @@ REFUSED = frozenset({"not", "if", "then", "else", "contains", "minContains", "ma
 KEYWORDS = ANNOTATIONS | REFUSED | frozenset(
     STRING_KEYWORDS + NUMBER_KEYWORDS + ARRAY_KEYWORDS + OBJECT_KEYWORDS
     + ("type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions"))
-FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
-                     "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
-# formats xgrammar reads loosely (2023-02-30, year 0000, 01.2.3.4): RFC 3339's and RFC 2673's exact
-# forms, a little stricter (no February 29th, no leap second)
-_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
-_MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-              "|02-(?:0[1-9]|1[0-9]|2[0-8]))")
-_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-FORMAT_PATTERNS = {"date": f"^{_YEAR}-{_MONTH_DAY}$", "date-time": f"^{_YEAR}-{_MONTH_DAY}T{_TIME}$",
-                   "time": f"^{_TIME}$", "ipv4": f"^{_OCTET}(?:\\.{_OCTET}){{3}}$"}
-# regex constructs xgrammar ignores (lookaround) or cannot compile (backreferences, \b, \p{...})
-UNSUPPORTED_REGEX = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<|\\[bBpP]")
 SCHEMA = (dict, bool)
 SHAPES: dict[str, tuple[type | tuple[type, ...], str]] = {  # keyword -> (its value's types, in words)
     "type": ((str, list), "a type name or a list of them"), "format": (str, "a string"), "pattern": (str, "a string"),
@@ -87,20 +75,6 @@ SHAPES: dict[str, tuple[type | tuple[type, ...], str]] = {  # keyword -> (its va
 }
 MAX_MULTIPLES = 256  # an integer's multipleOf between bounds becomes the enum of these at most
 MAX_MERGE_DEPTH = 16  # allOf / $ref levels merged into one schema
-REPETITION = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
-
-
-@dataclass(frozen=True, slots=True)
-class SchemaLimits:
-    """What one constraint may cost to compile; past a bound it is refused before compiling.
-    Measured on a 2-core CPU with SmolLM2's 49k-token vocabulary (docs/guided-decoding.md)."""
-    max_nodes: int = 2000  # subschemas, enum values and properties, all counted
-    max_depth: int = 32  # subschemas nested in one another
-    max_properties: int = 512  # properties (and patternProperties) of all objects together
-    # ... where properties beyond the schema's are allowed (not strict): each costs some 30 ms
-    max_free_properties: int = 64
-    max_repetition: int = 1000  # one regex's size with its counted repetitions {n,m} expanded
-    max_total_repetition: int = 4000  # the same over all of a schema's patterns
 
 
 def prepare(schema: Any, limits: SchemaLimits = SchemaLimits(), strict: bool = True) -> Any:
@@ -112,86 +86,6 @@ def prepare(schema: Any, limits: SchemaLimits = SchemaLimits(), strict: bool = T
     if walker.defs and isinstance(out, dict):
         out = {"$defs": walker.defs} | out
     return out
-
-
-def in_schema_order(value: Any, schema: Any) -> Any:
-    """`value` with every object's keys in the order its (prepared) schema lists them, the others
-    after them: the order a grammar compiled from the schema writes them in. In anyOf, the branch
-    that lists most of an object's keys decides."""
-    defs = schema.get("$defs", {}) if isinstance(schema, dict) else {}
-
-    def order(value: Any, schema: Any, depth: int = 0) -> Any:
-        for _ in range(8):
-            if not isinstance(schema, dict) or "$ref" not in schema:
-                break
-            schema = defs.get(schema["$ref"].rsplit("/", 1)[-1], True)
-        if not isinstance(schema, dict) or depth > 64:
-            return value
-        if "anyOf" in schema and isinstance(value, dict):
-            schema = max(schema["anyOf"], key=lambda b: len(set(value) & set(_properties(b, defs))))
-        if isinstance(value, dict):
-            listed = _properties(schema, defs)
-            keys = [k for k in listed if k in value] + [k for k in value if k not in listed]
-            extra = schema.get("additionalProperties", True)
-            return {k: order(value[k], listed.get(k, extra), depth + 1) for k in keys}
-        if isinstance(value, list):
-            prefix = schema.get("prefixItems", [])
-            return [order(v, prefix[i] if i < len(prefix) else schema.get("items", True), depth + 1)
-                    for i, v in enumerate(value)]
-        return value
-
-    return order(value, schema)
-
-
-def _properties(schema: Any, defs: dict) -> dict:
-    if isinstance(schema, dict) and "$ref" in schema:
-        schema = defs.get(schema["$ref"].rsplit("/", 1)[-1], True)
-    properties = schema.get("properties") if isinstance(schema, dict) else None
-    return properties if isinstance(properties, dict) else {}
-
-
-def check_repetitions(text: str, what: str, limits: SchemaLimits = SchemaLimits()) -> int:
-    """A regex's (or grammar's) size once xgrammar expands its counted repetitions: each {n,m}
-    repeats what it follows m times (n when there is no m), through nested groups. Past
-    limits.max_repetition it is refused: `[a-z]{1,1000}` compiles in 0.1 s (a pattern) to 2 s (a
-    regex), `[a-z]{1,10000}` in half a minute. Returns the size."""
-    size = repetition_size(text)
-    if size > limits.max_repetition:
-        raise ValidationError(FIELD, f"{what} repeats too much: its counted repetitions ({{n,m}}) expand to {size} "
-                                     f"items; at most {limits.max_repetition} are supported")
-    return size
-
-
-def repetition_size(text: str) -> int:
-    """How many items `text`'s counted repetitions expand to (an item repeated once counts 1)."""
-    stack = [[0, 0]]  # per open group: [size so far, size of the last item]
-    i = 0
-    while i < len(text):
-        ch = text[i]
-        match = REPETITION.match(text, i) if ch == "{" else None
-        if match:
-            counts = [int(c) for c in match.groups() if c]
-            group = stack[-1]
-            group[0] += group[1] * (max(counts) - 1)
-            group[1] *= max(counts)
-            i = match.end()
-            continue
-        if ch == "(":
-            stack.append([0, 0])
-        elif ch == ")" and len(stack) > 1:
-            inner = stack.pop()[0]
-            stack[-1][0] += inner
-            stack[-1][1] = inner
-        elif ch not in "|*+?^$":
-            if ch == "\\":
-                i += 1
-            elif ch == "[":  # a class is one item
-                end = text.find("]", i + 2)
-                i = end if end > 0 else len(text)
-            stack[-1][0] += 1
-            stack[-1][1] = 1
-        i += 1
-    return sum(group[0] for group in stack)
 
 
 class _Walker:
@@ -419,40 +313,6 @@ class _Walker:
             raise ValidationError(FIELD, f"required property {name!r} is not in properties and additionalProperties "
                                          f"is false: no output matches (at {path})")
         return extra
-
-
-def search_as_match(pattern: str) -> str:
-    """A JSON Schema pattern (found anywhere in the string) as a regex the whole string matches:
-    `^a` becomes `a.*`, `[0-9]` becomes `.*[0-9].*`, `^a$` stays as it is. Top-level alternatives
-    are rewritten one by one."""
-    alternatives = _top_level_alternatives(pattern)
-    if len(alternatives) > 1:
-        return "|".join(f"({search_as_match(a)})" for a in alternatives)
-    head = pattern[1:] if pattern.startswith("^") else "[\\s\\S]*" + pattern
-    anchored_end = head.endswith("$") and not head.endswith("\\$")
-    return head[:-1] if anchored_end else head + "[\\s\\S]*"
-
-
-def _top_level_alternatives(pattern: str) -> list[str]:
-    out, depth, start, i, in_class = [], 0, 0, 0, False
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "|" and depth == 0:
-            out.append(pattern[start:i])
-            start = i + 1
-        i += 1
-    return out + [pattern[start:]]
 
 
 def _infer_type(schema: dict) -> None:

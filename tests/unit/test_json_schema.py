@@ -15,7 +15,9 @@ import xgrammar
 from hypothesis import given, settings
 
 from backend.core.grammar_compiler import GrammarCompiler
-from backend.core.json_schema import SchemaLimits, prepare, repetition_size, search_as_match
+from backend.core.json_schema import prepare
+from backend.core.json_schema_limits import repetition_size
+from backend.core.json_schema_patterns import search_as_match
 from backend.errors import ValidationError
 from tests.conftest import _byte_tokenizer
 
