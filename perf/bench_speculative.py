@@ -25,6 +25,7 @@ predicts from the measured a and c.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -75,6 +76,15 @@ def run(engine: LLMEngine, prompts, max_tokens: int, temperature: float, batch_s
 def measure_c(engine: LLMEngine) -> float:
     tc, dc = engine.speculator.control.target_cost, engine.speculator.control.draft_cost
     return dc(1) / tc(1) if tc.ready and dc.ready else float("nan")
+
+
+def measured_costs(engine: LLMEngine) -> dict[str, dict[int, list[float]]]:
+    """The forwards' seconds the engine's speculation control measured, by size (the target's and
+    a first draft forward's in tokens, a further draft forward's in requests): the costs it plans with."""
+    control = engine.speculator.control
+    return {name: {n: list(seconds) for n, seconds in sorted(cost.samples.items())}
+            for name, cost in (("target", control.target_cost), ("draft_first", control.draft_first_cost),
+                               ("draft", control.draft_cost))}
 
 
 def verification_counts(engine: LLMEngine) -> tuple[int, int]:
@@ -137,6 +147,12 @@ def main() -> None:
                                                      and knobs["speculative_method"] != "eagle"],
                     choices=list(METHODS),
                     help="the first is the baseline of every ratio")
+    ap.add_argument("--quantization", default="none", help="the target's weights: none, int8, int4 (engine parameter)")
+    ap.add_argument("--compile-decode", action="store_true", help="CPU: decode steps compiled (compile_decode)")
+    ap.add_argument("--compile-prefill", action="store_true",
+                    help="CPU: prefill and verification steps compiled (compile_prefill)")
+    ap.add_argument("--costs-json", type=Path, default=None,
+                    help="write each speculating engine's measured forward costs (seconds by size) here, by label")
     ap.add_argument("--unseeded-too", action="store_true",
                     help="each method also with unseeded requests (rejection sampling from the engine's stream, "
                          "where seeded requests verify against their keyed samples), labelled so")
@@ -162,7 +178,8 @@ def main() -> None:
             max_num_seqs=max(args.batch_sizes), dtype=args.dtype, draft_dtype=args.draft_dtype,
             kv_cache_memory_bytes=args.kv_cache_mib * 2**20, num_kv_blocks=args.num_kv_blocks,
             async_scheduling=None if args.async_scheduling == "auto" else args.async_scheduling == "on",
-            cpu_weight_copies=", torch matmul" not in label, **METHODS[name]))
+            cpu_weight_copies=", torch matmul" not in label, quantization=args.quantization,
+            compile_decode=args.compile_decode, compile_prefill=args.compile_prefill, **METHODS[name]))
     rows = []
     cases = [(b, t) for b in args.batch_sizes for t in args.temperatures]
     bar = tqdm(total=len(cases) * len(labels) * args.repeats, desc="runs")
@@ -214,9 +231,13 @@ def main() -> None:
                          min(ratios[name]), max(ratios[name]), share, a, accepted / steps + 1 if steps else 1.0, predicted, c,
                          preempted / args.repeats))
     bar.close()
+    if args.costs_json is not None:
+        args.costs_json.write_text(json.dumps({label: measured_costs(engine) for label, engine in engines.items()
+                                               if engine.speculator.proposer is not None}, indent=1))
     where = "the held-out chat requests" if args.prompts == "chat" else "prompts 64-192 tokens of held-out code"
     print(f"\n{args.target.name}, {args.max_tokens} new tokens per request, {where}, "
-          f"target {args.dtype}, draft {args.draft_dtype}, {args.threads} torch thread(s), KV pool {args.kv_cache_mib} MiB, "
+          f"target {args.dtype} (quantization {args.quantization}, compile_decode {args.compile_decode}, "
+          f"compile_prefill {args.compile_prefill}), draft {args.draft_dtype}, {args.threads} torch thread(s), KV pool {args.kv_cache_mib} MiB, "
           f"overlapped steps {args.async_scheduling}, "
           f"median of {args.repeats} interleaved rounds (vs first method in the same round)\n")
     print("acceptance: accepted / drafted tokens. S(k) predicted (fixed k): the formula with the per-token rate it\n"

@@ -20,38 +20,32 @@ line: the target's decode-only forwards in their tokens, T(n); the draft's first
 (which catches up on what the last step accepted, about E_r tokens per request) in its tokens;
 each further draft forward in the requests. The plan maximises the batch's tokens per second,
     sum_r E_r(k_r) / (T(sum_r (1 + k_r)) + T_draft_first(sum_r E_r) + (k - 1) T_draft(R)),
-against R / T(R) without drafts, each k_r capped where its own E_r(k) / (1 + T_draft(k) / T(R))
-stops improving. k = 0 when nothing pays: then no draft work is done at all.
+against R / T(R) without drafts, each k_r capped where its own predicted speedup
+E_r(k) / (1 + (T_draft(k) + T(R + k) - T(R)) / T(R)) stops rising. T is measured on the forwards
+that run: at R tokens a compiled decode step where decode is compiled, at R + k an eager or compiled
+verification, so what compiling buys plain decoding counts against speculation. k = 0 when nothing pays: then no draft work is done at all.
 
-Speculation on or off (`ModeChooser`). The S(k) model leaves costs out (verification bookkeeping,
-the drafts' catch-up), so per batch-size bucket the control also measures decode-only steps'
-tokens per second in both modes and keeps the faster, trying the other again now and then. A
-mode's rate counts a verification by its expected yield E(k), not the 1..k+1 tokens it happened to
-yield (too noisy over a few steps); steps whose drafts catch up on what they missed while
-speculation was off are charged to switching it on, not to its rate.
+Speculation on or off (`ModeChooser`, mode_chooser.py): per batch-size bucket, the measured tokens
+per second of decode-only steps with and without speculation, the faster kept. While the chooser
+tries speculation (at first, and in its bounded exploration bursts) every candidate drafts at least
+one token, so a method that stood aside is measured again, acceptance included, and comes back
+when it pays.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Container
-from dataclasses import dataclass
 
 import numpy as np
 
 from backend.core.request import Request
+from backend.spec.mode_chooser import ModeChooser
 
 ACCEPTANCE_PRIOR = 0.7  # survival s_i = 0.7^i before anything is measured ...
 PRIOR_WEIGHT = 4.0  # ... worth this many verifications; a request's curve counts the batch's as many
 REQUEST_MEMORY = 20  # verifications a request's counts remember (each keeps 1 - 1/20 of the older ones)
 BATCH_MEMORY = 100  # verifications the batch's counts remember
 PROBE_REQUESTS = 4  # requests that speculate while the step costs are still unmeasured
-MODE_MEMORY = 10  # decode-only steps a mode's measured rate remembers
-MEASURE_STEPS = 4  # steps a mode is measured in a row: at first (alternating) and in each burst
-EXPLORE_EVERY = 32  # steps before the mode that looks worse is tried again; each burst that
-# confirms the choice doubles the wait, until bursts take EXPLORE_BUDGET of the steps, and bursts
-# that make the drafts catch up take at most EXPLORE_BUDGET of the time
-EXPLORE_BUDGET = 1 / 32
-MAX_EXPLORE_EVERY = round(MEASURE_STEPS / EXPLORE_BUDGET)  # 128
 
 
 class LinearCost:
@@ -151,10 +145,14 @@ class SpecControl:
             return [self.max_k] * len(candidates), None
         if not self.modes.speculate(num_running):
             return [0] * len(candidates), None
-        return self.choose_k([r.request_id for r in candidates])
+        return self.choose_k([r.request_id for r in candidates], probe=self.modes.trying(num_running))
 
-    def choose_k(self, ids: list[str]) -> tuple[list[int], np.ndarray]:
-        """k per request, from their expected yields (returned too) and the measured costs."""
+    def choose_k(self, ids: list[str], probe: bool = False) -> tuple[list[int], np.ndarray]:
+        """k per request, from their expected yields (returned too) and the measured costs. A
+        request's k is capped where its own predicted speedup, its yield over what its drafts and
+        its verified tokens add to a plain step, stops rising (0: below 1, it sits out); the batch's
+        k is the one of most tokens per second, 0 where plain steps are faster. `probe`: the step
+        measures speculation, so every request drafts (k >= 1) whatever the prediction says."""
         expected = self.expected_yields(ids)  # [num, max_k + 1]
         costs = (self.target_cost,) if self.free_drafts else (self.target_cost, self.draft_first_cost, self.draft_cost)
         if not all(cost.ready for cost in costs):
@@ -163,16 +161,19 @@ class SpecControl:
             probes = min(PROBE_REQUESTS, len(ids))
             return [min(2, self.max_k)] * probes + [0] * (len(ids) - probes), expected
         num = len(ids)
-        plain_seconds = self.target_cost(num)  # a step without drafts
+        plain_seconds = max(self.target_cost(num), 1e-9)  # a step without drafts, as it runs (compiled or not)
         # the first draft forward catches up on what the last step accepted: about E(k) tokens each
         catch_up = float(expected[:, -1].sum())
-        # the draft's seconds for k = 0..max_k, relative to a target forward
+        # the draft's seconds for k = 0..max_k, and what verifying k more tokens adds to the target's step
         draft_seconds = np.array([self.draft_seconds(num, k, catch_up) for k in range(self.max_k + 1)])
-        caps = np.argmax(expected / (1 + draft_seconds / max(plain_seconds, 1e-9)), axis=1)
+        verify_seconds = np.array([max(self.target_cost(num + k) - plain_seconds, 0.0) for k in range(self.max_k + 1)])
+        caps = np.argmax(expected / (1 + (draft_seconds + verify_seconds) / plain_seconds), axis=1)
         for rid, cap in zip(ids, caps):
             if cap == 0 and rid in self.survival:  # sitting out, it measures nothing: fade its counts
                 self.survival[rid].add(0, 0)
-        best_ks, best_rate = np.zeros(num, dtype=int), num / max(plain_seconds, 1e-9)
+        if probe:
+            caps = np.maximum(caps, 1)
+        best_ks, best_rate = np.zeros(num, dtype=int), -1.0 if probe else num / plain_seconds
         rows = np.arange(num)
         for k in range(1, self.max_k + 1):
             ks = np.minimum(k, caps)
@@ -251,133 +252,3 @@ class SpecControl:
             return
         # with speculation on, new requests' drafts reading their prompts are part of its rate
         self.modes.observe(speculating, num_requests, num_tokens, seconds)
-
-
-@dataclass(slots=True)
-class _Bucket:
-    steps: int = 0  # decisions made for this batch-size bucket
-    explore_at: int = EXPLORE_EVERY  # step at which the next exploration burst starts
-    interval: int = EXPLORE_EVERY
-    preferred: bool = True  # the choice when the current burst started
-    speculating: bool = False  # the last choice outside bursts
-    steady: bool = False  # this step speculates, as the one before did (no switch, no burst)
-    last_burst: int = 0  # step at which the last exploration burst ended
-    burst_extension: int = 0  # steps the current burst spent catching up, added to its length
-    switch_seconds: float = 0.0  # measured cost of switching speculation on (the drafts' catch-up) ...
-    switch_accrued: float = 0.0  # ... and of the switch under way, which may take several steps
-
-    @property
-    def switch_cost(self) -> float:
-        return max(self.switch_seconds, self.switch_accrued)
-
-    def in_burst(self) -> bool:
-        return self.explore_at <= self.steps < self.explore_at + MEASURE_STEPS + self.burst_extension
-
-
-class ModeChooser:
-    """Measures what speculation actually buys: decode-only steps' output tokens per second with
-    speculation and without, per batch-size bucket, and picks the faster mode. The other mode is
-    tried again in bursts of MEASURE_STEPS steps; a burst that confirms the choice doubles the
-    wait before the next (a settled choice costs little exploration), one that overturns it
-    resets the wait. It catches every cost the S(k) model leaves out (verification bookkeeping,
-    draft catch-up), so a loaded server does not get slower. A rate is decayed tokens over
-    decayed seconds (not an average of per-step rates, which a speculative step's 1-or-k+1
-    tokens would bias)."""
-
-    def __init__(self) -> None:
-        self.totals: dict[tuple[bool, int], list[float]] = {}  # (speculating, bucket) -> [tokens, seconds]
-        self.samples: dict[tuple[bool, int], int] = {}  # (speculating, bucket) -> steps measured
-        self.buckets: dict[int, _Bucket] = {}
-
-    @staticmethod
-    def bucket(num_requests: int) -> int:
-        return max(num_requests, 1).bit_length()  # 1, 2-3, 4-7, ...
-
-    def rate(self, speculating: bool, num_requests: int) -> float | None:
-        """Measured tokens/s of a mode at this batch size; None before any measurement."""
-        key = (speculating, self.bucket(num_requests))
-        return self._rate(key) if key in self.totals else None
-
-    def _rate(self, key: tuple[bool, int]) -> float:
-        tokens, seconds = self.totals[key]
-        return tokens / max(seconds, 1e-9)
-
-    def _warm(self, b: int) -> bool:
-        return min(self.samples.get((True, b), 0), self.samples.get((False, b), 0)) >= MEASURE_STEPS
-
-    def _faster(self, b: int, num_requests: int) -> bool | None:
-        """Is speculation faster in bucket b? Judged by the bucket itself once both modes are
-        measured there, meanwhile by a measured neighbour (batch sizes change as requests come
-        and go); None when neither can tell. Switching speculation on costs the drafts' catch-up
-        on what they missed, so from plain decoding it must win by enough to earn that back
-        before the next exploration burst (a tie goes to plain decoding)."""
-        state = self.buckets[b]
-        for candidate in (b, b - 1, b + 1):
-            if self._warm(candidate):
-                on, off = self._rate((True, candidate)), self._rate((False, candidate))
-                if state.speculating:
-                    return on > off
-                step_seconds = num_requests / max(off, 1e-9)  # a plain step yields a token per request
-                return on > off * (1 + state.switch_cost / (state.interval * step_seconds))
-        return None
-
-    def steady(self, num_requests: int) -> bool:
-        """The latest choice at this batch size kept speculation on (not a switch, not a burst)."""
-        state = self.buckets.get(self.bucket(num_requests))
-        return state is not None and state.steady
-
-    def charge_switch(self, num_requests: int, seconds: float) -> None:
-        """A step of switching speculation on in this bucket: the drafts' catch-up beyond their
-        usual work (it takes several steps when the drafts are further behind than a step's
-        budget). A burst does not count such steps: it measures speculation once caught up."""
-        state = self.buckets.setdefault(self.bucket(num_requests), _Bucket())
-        state.switch_accrued += seconds
-        if state.in_burst():
-            state.burst_extension += 1
-
-    def _settle_switch(self, state: _Bucket) -> None:
-        """The switch under way is over: fold its cost into the running mean."""
-        if state.switch_accrued:
-            seconds = state.switch_accrued
-            state.switch_seconds = 0.5 * state.switch_seconds + 0.5 * seconds if state.switch_seconds else seconds
-            state.switch_accrued = 0.0
-
-    def speculate(self, num_requests: int) -> bool:
-        b = self.bucket(num_requests)
-        state = self.buckets.setdefault(b, _Bucket())
-        state.steps += 1
-        better = self._faster(b, num_requests)
-        state.steady = False
-        if better is None:  # nothing measured here or nearby: measure both, alternating
-            n_on, n_off = self.samples.get((True, b), 0), self.samples.get((False, b), 0)
-            return n_on < n_off or (n_on == n_off and state.steps % 2 == 1)
-        off_rate = self.rate(False, num_requests)
-        if state.steps == state.explore_at and not better and state.switch_cost and off_rate:
-            # trying speculation again costs a catch-up: keep such bursts to EXPLORE_BUDGET of the
-            # time (a plain step takes num_requests / off_rate seconds)
-            gap = int(state.switch_cost * off_rate / (EXPLORE_BUDGET * num_requests))
-            state.explore_at = max(state.explore_at, state.last_burst + gap)
-        burst_end = state.explore_at + MEASURE_STEPS + state.burst_extension
-        if state.steps == state.explore_at:
-            state.preferred = better
-        if state.explore_at <= state.steps < burst_end:
-            return not state.preferred
-        if state.steps == burst_end:
-            confirmed = better == state.preferred
-            state.interval = min(2 * state.interval, MAX_EXPLORE_EVERY) if confirmed else EXPLORE_EVERY
-            state.explore_at = state.steps + state.interval
-            state.last_burst = state.steps
-            state.burst_extension = 0
-        state.steady = better and state.speculating
-        state.speculating = better
-        return better
-
-    def observe(self, speculating: bool, num_requests: int, num_tokens: float, seconds: float) -> None:
-        key = (speculating, self.bucket(num_requests))
-        if speculating and key[1] in self.buckets:
-            self._settle_switch(self.buckets[key[1]])
-        decay = 1.0 - 1.0 / MODE_MEMORY
-        totals = self.totals.setdefault(key, [0.0, 0.0])
-        totals[0] = decay * totals[0] + num_tokens
-        totals[1] = decay * totals[1] + seconds
-        self.samples[key] = self.samples.get(key, 0) + 1
