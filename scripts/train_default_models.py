@@ -40,10 +40,8 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
-from shutil import copy2
 
 import numpy as np
 import torch
@@ -51,6 +49,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from scripts.python_corpus import split_corpus
+from scripts.tiny_pair_models import load_model, new_model, num_params, save_model
+from scripts.tiny_pair_tokenizer import train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache" / "default_models"
@@ -58,60 +58,13 @@ DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "tiny_pair"
 STAGES = ("tokenizer", "data", "target", "draft", "package")
 ALL_STAGES = ("tokenizer", "data", "target", "draft")  # package only runs when asked
 
-VOCAB_SIZE = 8192
-BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-# Plain-text role markers: no extra special tokens, so any client can type them.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
 TARGET_SHAPE = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
                     num_key_value_heads=2, intermediate_size=1024)
 DRAFT_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=384)
 
 
-# ----------------------------------------------------------------------------- corpus
-
-# ----------------------------------------------------------------------------- tokenizer
-
-def train_tokenizer(train_texts: list[str], out_dir: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=2, show_progress=True,
-                                  special_tokens=[BOS, EOS, PAD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(train_texts, trainer=trainer, length=len(train_texts))
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
-                                     pad_token=PAD, clean_up_tokenization_spaces=False,
-                                     model_max_length=2048)
-    hf_tok.chat_template = CHAT_TEMPLATE
-    save_tokenizer(hf_tok, out_dir)
-    return hf_tok
-
-
-def save_tokenizer(tokenizer, out_dir: Path) -> None:
-    """Save with the chat template inside tokenizer_config.json and a class name that transformers
-    4.x and 5.x both resolve, so older readers get the template and the fast tokenizer too."""
-    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
-    config_path = out_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    for key in ("is_local", "local_files_only"):  # how it was loaded, not what it is
-        config.pop(key, None)
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-
+# ----------------------------------------------------------------------------- tokenizer and data
 
 def cache_dir(corpus: str) -> Path:
     return CACHE_DIR if corpus == "stdlib" else CACHE_DIR / corpus
@@ -137,54 +90,6 @@ def load_split(name: str, cache: Path = CACHE_DIR) -> np.ndarray:
     if not path.exists():
         sys.exit(f"no tokenized corpus at {path}: run --stage data first")
     return np.load(path)
-
-
-# ----------------------------------------------------------------------------- models
-
-def llama_config(shape: dict, tokenizer):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=2048, rope_theta=10000.0,
-                       tie_word_embeddings=True, rms_norm_eps=1e-5, hidden_act="silu",
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id, **shape)
-
-
-def new_model(shape: dict, tokenizer, seed: int):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(shape, tokenizer))
-
-
-def load_model(path: Path, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-
-
-def save_model(model, out_dir: Path, tokenizer, weights_only: bool, shard: str) -> None:
-    """Save in float16. ``weights_only`` keeps config.json and the safetensors files alone."""
-    from transformers import GenerationConfig
-
-    model = model.to("cpu", torch.float16)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if not weights_only:
-        model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=shard)
-        save_tokenizer(tokenizer, out_dir)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=shard)
-        for f in Path(tmp).iterdir():
-            if f.name == "config.json" or "safetensors" in f.name:
-                copy2(f, out_dir / f.name)
-
-
-def num_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------- training
