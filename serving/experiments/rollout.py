@@ -92,7 +92,8 @@ class Rollout:
         self.outcome: str | None = None  # "rolled back" or "done" once it ends
         self.step_period = -1  # the first period of the current step
         self.bounds: dict[str, float] = {}  # guardrail -> lowest non-inferiority bound at the last step
-        self.decisions: list[Decision] = []
+        self.decisions: list[Decision] = []  # the moves (advance, rollback, done), in order
+        self.latest: Decision | None = None  # the latest evaluation, a hold included
         self.path = None if recorder.log_path is None else Path(f"{recorder.log_path}.rollout.json")
         if self.path is not None and self.path.exists():
             self._resume(json.loads(self.path.read_text()))
@@ -123,7 +124,8 @@ class Rollout:
         """Judge the rollout now; stalled_s: how long the arm's oldest request in flight has gone
         without a token. Moves the weights on an advance, a rollback or the end."""
         with self.recorder.lock:
-            return self._evaluate(stalled_s)
+            self.latest = self._evaluate(stalled_s)
+            return self.latest
 
     def _evaluate(self, stalled_s: float) -> Decision:
         if self.finished:
@@ -200,7 +202,8 @@ class Rollout:
 
     def to_dict(self) -> dict:
         return {"arm": self.plan.arm, "step": self.step, "percent": self.percent, "finished": self.finished,
-                "outcome": self.outcome, "decisions": [d.to_dict() for d in self.decisions]}
+                "outcome": self.outcome, "decisions": [d.to_dict() for d in self.decisions],
+                "latest": None if self.latest is None else self.latest.to_dict()}
 
 
 def _shown(metric: str, bound: float) -> float | None:

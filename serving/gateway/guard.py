@@ -3,7 +3,8 @@ which sees each request before its body is read and a streamed response until it
 
 In order, each refusal in OpenAI's error shape and closing the connection (the body is not read on):
   401  an API key is set and the request lacks `Authorization: Bearer <key>` (every route but
-       /health, which probes need); compared in constant time, never echoed or logged.
+       /health, which probes need, and the experiment page, which holds no data and fetches it
+       with the key); compared in constant time, never echoed or logged.
   415  a POST whose Content-Type is not application/json. text/plain and form bodies are what any
        web page can make a browser send to another origin without a CORS preflight: refusing them
        keeps other sites' pages from driving this server through a visitor's browser.
@@ -36,7 +37,8 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 DEFAULT_MAX_CONCURRENT_READS = 8  # each a handful of milliseconds: an operator's dashboards, probes of a canary
 MAX_JSON_DEPTH = 64  # arrays and objects; an OpenAI request nests a handful deep
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/experiment"})  # asked for no key
+UNCOUNTED_PATHS = frozenset({"/health"})  # not counted against the bound
 RETRY_AFTER_S = 1
 # a string (or one left open, to the end): possessive, so each byte is looked at once
 JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"?', re.S)
@@ -86,7 +88,7 @@ class OpenAIGuard:
         if (error := self._refusal(scope, Headers(scope=scope))) is not None:
             return await _refuse(error, scope, receive, send)
         read = scope["method"] != "POST"
-        if read and scope["path"] in OPEN_PATHS:
+        if read and scope["path"] in UNCOUNTED_PATHS:
             return await self.app(scope, receive, send)
         self.in_flight += 1
         self.reads_in_flight += read
@@ -106,7 +108,7 @@ class OpenAIGuard:
                 return OpenAIError("the API key is not valid", 401, code="invalid_api_key")
         if scope["method"] != "POST":
             full = self.reads_in_flight >= self.config.max_concurrent_reads
-            return None if scope["path"] in OPEN_PATHS else self._busy(full)
+            return None if scope["path"] in UNCOUNTED_PATHS else self._busy(full)
         media_type, _, parameters = headers.get("content-type", "").partition(";")
         charset = parameters.strip().lower().removeprefix("charset=").strip('"')
         if media_type.strip().lower() != "application/json" or charset not in ("", "utf-8"):

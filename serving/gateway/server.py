@@ -54,9 +54,11 @@ from serving.experiments.experiment import Assignment, Experiment, ExperimentErr
 from serving.experiments.rollout import Rollout, RolloutPlan, load_experiment
 from serving.launch.launcher import ADMIN_HEADER  # the operator's admin key, as tritonserver's restricted APIs take it
 from serving.launch.launcher import ADMIN_KEY_VARIABLE as ADMIN_KEY_ENV
+from serving.gateway.experiment_page import add_experiment_page
 from serving.gateway.guard import (
     API_KEY_ENV,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_READS,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     GuardConfig,
     OpenAIGuard,
@@ -569,6 +571,11 @@ def main() -> None:
     p.add_argument("--experiment-log", default=None,
                    help="the experiment's request log (JSON lines, rotated); beside it the weights and the rollout's "
                         "state, so a restart resumes both (docs/experiments.md)")
+    p.add_argument("--experiment-page", action="store_true",
+                   help="serve the experiment's live page on /experiment (serving/gateway/experiment_page.py)")
+    p.add_argument("--max-concurrent-reads", type=int, default=DEFAULT_MAX_CONCURRENT_READS,
+                   help="of --max-concurrent-requests, reads (GET /v1/experiment, /metrics, ...) at most "
+                        "(default: %(default)s): a flood of them leaves the rest to generation")
     p.add_argument("--tokenizer", default=None,
                    help="the served model's tokenizer directory: a chat template that takes tools renders them "
                         "(docs/guided-decoding.md); default: the system-prompt rendering")
@@ -576,7 +583,7 @@ def main() -> None:
                    help="the format of calls in tool_choice auto (default: the template's, else hermes)")
     args = p.parse_args()
     try:
-        guard = GuardConfig(args.api_key, args.max_body_bytes, args.max_concurrent_requests)
+        guard = GuardConfig(args.api_key, args.max_body_bytes, args.max_concurrent_requests, args.max_concurrent_reads)
         experiment, verdict, rollout = load_experiment(args.experiment) if args.experiment else (None, None, None)
     except ValueError as e:
         p.error(str(e))
@@ -590,6 +597,8 @@ def main() -> None:
                          ChatTemplate.load(args.tokenizer) if args.tokenizer else None, args.tool_call_parser)
     except ValueError as e:  # an experiment log that is another experiment's
         p.error(str(e))
+    if args.experiment_page and experiment is not None:
+        add_experiment_page(app)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
 
 

@@ -105,10 +105,12 @@ def test_the_api_key(authorization, status):
         assert KEY not in json.dumps(body) and response_headers[b"www-authenticate"] == b"Bearer"
 
 
-def test_health_needs_no_key_and_models_does():
+def test_health_and_the_experiment_page_need_no_key_and_the_data_does():
     guard, _ = guarded(api_key=KEY)
     assert asyncio.run(call(guard, [], (b"",), "GET", "/health"))[0] == 200
-    assert asyncio.run(call(guard, [], (b"",), "GET", "/v1/models"))[0] == 401
+    assert asyncio.run(call(guard, [], (b"",), "GET", "/experiment"))[0] == 200
+    for path in ("/v1/models", "/v1/experiment", "/v1/experiment/ecdf", "/metrics"):
+        assert asyncio.run(call(guard, [], (b"",), "GET", path))[0] == 401
 
 
 @pytest.mark.parametrize("content_type,status", [

@@ -81,9 +81,11 @@ def test_an_arm_that_stops_answering_is_rolled_back():
     recorder = ExperimentRecorder(EXPERIMENT, CONFIG)
     rollout = Rollout(PLAN, recorder)
     assert rollout.evaluate(stalled_s=59.0).action == "hold"
+    assert rollout.to_dict()["latest"]["action"] == "hold" and rollout.to_dict()["decisions"] == []  # a hold is no move
     decision = rollout.evaluate(stalled_s=61.0)
     assert decision.action == "rollback" and "no token for 61 s" in decision.reason
     assert recorder.weights()[ARMS[1]] == 0.0
+    assert rollout.to_dict()["latest"] == rollout.to_dict()["decisions"][-1] == decision.to_dict()
 
 
 def test_a_restart_resumes_the_rollout_and_a_rolled_back_arm_stays_at_zero(tmp_path):
