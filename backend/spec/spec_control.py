@@ -33,6 +33,7 @@ when it pays.
 """
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Container
 
@@ -49,7 +50,8 @@ PROBE_REQUESTS = 4  # requests that speculate while the step costs are still unm
 
 
 class LinearCost:
-    """Seconds per forward: at a size measured at least twice, the mean of its latest samples;
+    """Seconds per forward: at a size measured at least twice, the median of its latest samples
+    (a forward that met a new shape or another tenant's burst does not price its size for good);
     elsewhere t0 + t1 * num_tokens, a least-squares line over the latest `per_size` samples of
     each size, kept as running sums so that adding a sample costs O(1). Samples are kept per size
     so that a long run at one size (plain decoding: one token per request, step after step) does
@@ -88,7 +90,7 @@ class LinearCost:
     def __call__(self, num_tokens: int) -> float:
         latest = self.samples.get(num_tokens)
         if latest is not None and len(latest) >= 2:
-            return sum(latest) / len(latest)
+            return statistics.median(latest)
         return self.t0 + self.t1 * num_tokens
 
 
