@@ -7,7 +7,9 @@ Metrics (all lower is better; each request's value, analysed per user: serving/e
     ttft_tail,       1 if the value exceeds the period's pooled 99th percentile, frozen from the
     itl_tail         period's first TAIL_BURN_IN values of both arms together (so the same for
                      either arm between identical arms): the estimate is the difference of the
-                     shares above it. A sequential test of a quantile as in Howard and Ramdas
+                     shares of requests above it (request-weighted, with a variance over users:
+                     an event in 1 % of requests is rare per user, so users' own shares of it
+                     would waste most of the requests). A sequential test of a quantile as in Howard and Ramdas
                      (arXiv 1906.09712) and Lindon, Sanden and Shirikian's canary tests (KDD 2022,
                      arXiv 2205.14762): a p99 regression moves this share whatever the median does.
 
@@ -32,6 +34,7 @@ class Metric:
     column: str  # the log's field it is computed from
     kind: str  # "log": mean log value; "rate": share of server errors; "tail": share above a quantile
     tau: float  # the smallest of the mixture's spreads (the effect sizes the test is tuned to)
+    weighted: bool = False  # the share of requests (each counts), not the mean of users' shares
 
     @property
     def taus(self) -> tuple[float, ...]:
@@ -45,7 +48,7 @@ class Metric:
 METRICS = {m.name: m for m in (
     Metric("ttft", "ttft_s", "log", 0.025), Metric("itl", "itl_s", "log", 0.025), Metric("e2e", "e2e_s", "log", 0.025),
     Metric("errors", "status", "rate", 0.01),
-    Metric("ttft_tail", "ttft_s", "tail", 0.005), Metric("itl_tail", "itl_s", "tail", 0.005))}
+    Metric("ttft_tail", "ttft_s", "tail", 0.005, weighted=True), Metric("itl_tail", "itl_s", "tail", 0.005, weighted=True))}
 DEFAULT_SUCCESS = ("ttft", "itl", "e2e")
 DEFAULT_GUARDRAILS = {"errors": 0.01, "ttft_tail": 0.01, "itl_tail": 0.01}
 

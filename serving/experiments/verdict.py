@@ -61,6 +61,7 @@ class Verdict:
         self.strata: dict[tuple[int, int], int] = {}  # (period, arm index) -> stratum
         self.periods: list[int] = []
         self.moments = UserMoments(len(self.metrics))
+        self.weighted = np.array([m.weighted for m in self.metrics], bool)  # request-weighted metrics
         self.values = np.zeros(len(self.metrics), np.int64)  # values taken into each metric's test
         self.thresholds: dict[tuple[str, int], float] = {}  # (tail metric, period) -> seconds
         self.burn_in: dict[tuple[str, int], list[tuple[int, int, float]]] = {}  # -> (user, stratum, value)
@@ -193,13 +194,14 @@ class Verdict:
         self._take(users.astype(np.int64), strata.astype(np.int64), values, valid, np.full(len(users), at))
 
     def _take(self, users, strata, values, valid, at: np.ndarray) -> None:
-        moments = self.moments.add(users, strata, values, valid, len(self.strata))
+        moments = self.moments.add(users, strata, values, valid, len(self.strata), self.weighted)
         self.values += valid.sum(axis=1)
         for i, metric in enumerate(self.metrics):
             if not valid[i].any():
                 continue
             for arm in self.arms[1:]:
-                theta, v = compare(moments[i], *self._period_strata(arm), self.config.min_users, metric.kind != "log")
+                theta, v = compare(moments[i], *self._period_strata(arm), self.config.min_users, metric.kind != "log",
+                                   metric.weighted)
                 self._look(self.states[(arm, metric.name)], metric.name, theta, v, at)
 
     def _look(self, state: SequentialState, name: str, theta: np.ndarray, v: np.ndarray, at: np.ndarray) -> None:
@@ -232,9 +234,9 @@ class Verdict:
         if not m.num_strata:
             return None
         i = self.config.tested.index(metric)
-        now = Moments(m.C[i, :, :, None], m.X[i, :, :, None], m.P[i, :, :, None])
+        now = Moments(*(getattr(m, f)[i, ..., None] for f in ("C", "X", "P", "G", "N", "T")))
         theta, v = compare(now, *self._period_strata(arm, periods), self.config.min_users,
-                           METRICS[metric].kind != "log")
+                           METRICS[metric].kind != "log", METRICS[metric].weighted)
         if not np.isfinite(v[0]):
             return None
         return float(theta[0]), float(radius(v, METRICS[metric].taus, alpha)[0])
@@ -246,7 +248,7 @@ class Verdict:
         strata = [self.strata[(p, index)] for p in periods if (p, index) in self.strata]
         if not strata:
             return 0
-        return int(self.moments.P[:, strata, strata].sum(axis=1).max())
+        return int(self.moments.G[:, strata].sum(axis=1).max())
 
     def decision(self, arm: str) -> tuple[str, int | None]:
         """The arm's call (better, worse, no difference) and the request after which it was made."""

@@ -215,8 +215,49 @@ def test_percentiles_come_from_the_histograms_within_a_bin():
 
 
 def test_moments_slice_one_metric():
-    m = Moments(np.zeros((2, 3, 3, 4)), np.ones((2, 3, 3, 4)), np.full((2, 3, 3, 4), 2.0))
-    assert m[1].C.shape == (3, 3, 4) and float(m[1].P[0, 0, 0]) == 2.0
+    m = Moments(np.zeros((2, 3, 3, 4)), np.ones((2, 3, 3, 4)), np.full((2, 3, 3, 4), 2.0),
+                *(np.full((2, 3, 4), k) for k in (3.0, 4.0, 5.0)))
+    assert m[1].C.shape == (3, 3, 4) and float(m[1].P[0, 0, 0]) == 2.0 and m[1].T.shape == (3, 4)
+
+
+def test_a_request_weighted_metric_keeps_sums_and_counts_and_its_variance_is_the_delta_methods():
+    """Metric 1 request-weighted, metric 0 not, in one pass: after every request the sums over users
+    of their sums t and counts n (in place of means and presence), the users, values and totals per
+    stratum; and V is the delta method's over users, sum_u (sum_s c_s (t_us - R_s n_us) / N_s)^2
+    with the small-sample factor G / (G - 1), or the floor of independent requests."""
+    rng = np.random.default_rng(2)
+    n, U, S = 800, 50, 4
+    users, strata = rng.integers(0, U, n), rng.integers(0, S, n)
+    values = np.stack([rng.normal(size=n), rng.random(n) < 0.05 + 0.1 * (users % 3 == 0)]).astype(float)
+    moments = UserMoments(2)
+    m = moments.add(users, strata, values, np.ones((2, n), bool), S, np.array([False, True]))
+    for i in (0, 17, 400, n - 1):
+        t, counts = (np.zeros((U, S)) for _ in range(2))
+        np.add.at(t, (users[:i + 1], strata[:i + 1]), values[1, :i + 1])
+        np.add.at(counts, (users[:i + 1], strata[:i + 1]), 1)
+        assert np.allclose(m.C[1, ..., i], t.T @ t) and np.allclose(m.X[1, ..., i], t.T @ counts)
+        assert np.array_equal(m.P[1, ..., i], counts.T @ counts)
+        assert np.array_equal(m.G[:, :, i], np.stack([(counts > 0).sum(0)] * 2))
+        assert np.array_equal(m.N[:, :, i], np.stack([counts.sum(0)] * 2)) and np.allclose(m.T[1, :, i], t.sum(0))
+        v, _ = _brute_force(users, strata, values[0], i, U, S)
+        assert np.allclose(m.C[0, ..., i], v.T @ v)  # the other metric as before
+    theta, variance = compare(m[1], np.array([0, 2]), np.array([1, 3]), min_users=3, binary=True, weighted=True)
+    G, N, T = (counts > 0).sum(0), counts.sum(0), t.sum(0)
+    R = T / N
+    w = np.array([N[0] * N[1] / (N[0] + N[1]), N[2] * N[3] / (N[2] + N[3])])
+    w /= w.sum()
+    c = np.array([-w[0], w[0], -w[1], w[1]])
+    influence = ((t - R * counts) * c / N * np.sqrt(G / (G - 1))).sum(1)
+    floor = 0.0
+    for k, (a, b) in enumerate(((0, 1), (2, 3))):
+        p = (T[a] + T[b] + 1) / (N[a] + N[b] + 2)
+        share = (T[a] + T[b]) / (N[a] + N[b])
+        spread = max((T[a] + T[b]) * (1 - share) ** 2 + (N[a] + N[b] - T[a] - T[b]) * share**2, 0) / (N[a] + N[b] - 1)
+        floor += w[k] ** 2 * max(spread, p * (1 - p)) * (1 / N[a] + 1 / N[b])
+    assert theta[-1] == pytest.approx((c * R).sum())
+    assert variance[-1] == pytest.approx(max((influence**2).sum(), floor))
+    with pytest.raises(ValueError, match="share"):
+        compare(m[0], np.array([0]), np.array([1]), min_users=3, weighted=True)
 
 
 def test_a_report_costs_the_same_whatever_the_requests_and_users():
