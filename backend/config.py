@@ -9,7 +9,7 @@ from typing import Any
 from backend.errors import ValidationError
 
 DTYPES = ("float32", "bfloat16", "float16")
-SPECULATIVE_METHODS = ("none", "draft", "eagle", "ngram")
+SPECULATIVE_METHODS = ("none", "draft", "eagle", "ngram", "suffix")
 QUANTIZATION_MODES = ("none", "int8", "int4", "fp8")  # backend/model/quantized_linear.py
 INT4_GROUP_SIZES = (32, 64, 128)
 MAX_BATCH_WAIT_MS = 100.0
@@ -51,7 +51,9 @@ class EngineConfig:
     # CPU, float32 layers: multiply by copies of the weights in oneDNN's layout at the row counts
     # where that measured faster at load (as many bytes again); False: torch's matmul only
     cpu_weight_copies: bool = True
-    speculative_method: str = "none"  # "none", "draft", "eagle" (a head on the target's hidden states), "ngram"
+    # "none", "draft", "eagle" (a head on the target's hidden states), "ngram", "suffix" (suffix trees over
+    # the request's tokens and recent outputs: backend/spec/suffix_proposer.py)
+    speculative_method: str = "none"
     draft_model: str | None = None  # directory of the draft model (method "draft") or EAGLE head ("eagle")
     draft_dtype: str | None = None  # defaults to `dtype`; on a CPU a tiny draft runs faster in float32
     num_speculative_tokens: int = 4  # max k

@@ -113,6 +113,12 @@ class SuffixProposer:
             self.global_tree.extend(rid, token_ids)
 
     def forget_finished(self) -> None:
-        """Drop the trees of requests that are gone (their outputs stay in the global tree)."""
-        for rid in [rid for rid, state in self.trees.items() if state.request.is_finished]:
-            del self.trees[rid]
+        """Drop the trees of requests that are gone; their outputs' last tokens (after their last
+        draft) join the global tree first."""
+        for rid, state in list(self.trees.items()):
+            request = state.request
+            if request.is_finished:
+                start = max(state.num_added, request.num_prompt_tokens)
+                if start < request.num_tokens:
+                    self._add_output(rid, request.tokens_slice(start, request.num_tokens))
+                del self.trees[rid]

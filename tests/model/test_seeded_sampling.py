@@ -66,7 +66,7 @@ def reference(tiny_llama) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", [
     "plain", "plain-overlapped", "draft-k2", "draft-k4-self", "draft-adaptive", "draft-k3-overlapped",
-    "ngram-k3", "eagle-k3", "eagle-adaptive",
+    "ngram-k3", "suffix-k3", "suffix-adaptive", "eagle-k3", "eagle-adaptive",
 ])
 def test_seeded_tokens_do_not_move(name, reference, tiny_llama, bad_draft, tmp_path_factory):
     """Together, beside 59 unseeded sampled requests (a batch of 64), in reverse order, and again on

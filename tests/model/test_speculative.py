@@ -47,6 +47,8 @@ def spec_engine(model, draft=None, method="draft", **knobs) -> LLMEngine:
         ("bad", {}),
         ("perfect", {}),
         ("ngram", {}),
+        ("suffix", {}),
+        ("suffix", {"num_kv_blocks": 24, "block_size": 8}),  # preemption forced
         ("bad", {"num_kv_blocks": 24, "block_size": 8}),  # preemption forced
         ("perfect", {"max_num_batched_tokens": 30, "num_speculative_tokens": 6}),  # budget cuts k
         # overlapped steps: each step's drafts are proposed from the last step's tokens on the device
@@ -60,8 +62,8 @@ def test_greedy_identical_to_plain_decoding(which, knobs, tiny_llama, bad_draft)
     prompts, max_tokens = mixed_prompts(32, seed=3)
     prompts = [p + p[:8] * 2 for p in prompts]  # some repetition for the n-gram proposer
     plain = run_engine(LLMEngine(EngineConfig(model=str(tiny_llama))), prompts, max_tokens)
-    draft = {"bad": bad_draft, "perfect": tiny_llama, "ngram": None}[which]
-    engine = spec_engine(tiny_llama, draft, "ngram" if which == "ngram" else "draft",
+    draft = {"bad": bad_draft, "perfect": tiny_llama, "ngram": None, "suffix": None}[which]
+    engine = spec_engine(tiny_llama, draft, which if which in ("ngram", "suffix") else "draft",
                          adaptive_speculation=False, **knobs)
     assert run_engine(engine, prompts, max_tokens) == plain  # also checks free == total blocks
     stats = engine.stats()
@@ -253,6 +255,8 @@ FILTERED_T1 = dict(temperature=1.0, top_p=0.9, top_k=5, min_p=0.05)
     ("draft", True, False, dict(seed=False, **FILTERED)),
     ("ngram", False, False, dict(seed=True, **FILTERED_T1)),
     ("ngram", False, False, dict(seed=False)),
+    ("suffix", False, False, dict(seed=True, **FILTERED_T1)),
+    ("suffix", False, False, dict(seed=False)),
 ])
 def test_engine_sampling_matches_target_distribution(tmp_path, method, async_scheduling, reduced, sampling):
     """End to end: with a poor draft, the 2nd and 3rd generated tokens (the ones speculation
@@ -263,12 +267,12 @@ def test_engine_sampling_matches_target_distribution(tmp_path, method, async_sch
     vocab, trials, prompt = 8, 800, [3, 5, 4]
     # peaked, unlike a near-uniform random init; less so where the filters would leave one token,
     # and for the lookup, whose drafts this target then both keeps and rejects
-    init = 0.4 if method == "ngram" else 0.3 if sampling.get("temperature") == 0.7 else 0.6
+    init = 0.4 if method in ("ngram", "suffix") else 0.3 if sampling.get("temperature") == 0.7 else 0.6
     sharp = dict(vocab_size=vocab, initializer_range=init)
     target = write_tiny_model(tmp_path / "t", "llama", seed=11, **sharp)
-    if method == "ngram":  # a prompt that repeats, so that the lookup proposes
+    if method in ("ngram", "suffix"):  # a prompt that repeats, so that the lookup proposes
         prompt = [7, 3, 7, 3, 7, 3]
-        engine = spec_engine(target, method="ngram", adaptive_speculation=False, num_speculative_tokens=2)
+        engine = spec_engine(target, method=method, adaptive_speculation=False, num_speculative_tokens=2)
     else:
         draft = write_tiny_model(tmp_path / "d", "llama", seed=12, hidden_size=32, num_hidden_layers=1, **sharp)
         if reduced:
