@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-from scripts.train_default_draft import CACHE, SEQ_LEN, load_draft, load_target, padded
+from scripts.default_target import load_target
+from scripts.draft_data import CACHE, SEQ_LEN, padded
+from scripts.draft_model import load_draft
 
 
 @torch.inference_mode()

@@ -20,15 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from scripts.chat_prompts import HELDOUT
-from scripts.train_default_draft import chat_ids, load_target
-from scripts.train_eagle_draft import (
-    TEMPERATURE,
-    answer_drafts,
-    load_head,
-    splits,
-    target_answers,
-    target_item,
-)
+from scripts.default_target import chat_ids, load_target
+from scripts.eagle_head import load_head
+from scripts.eagle_heldout import TEMPERATURE, answer_drafts, splits, target_answers, target_item
 
 HEAD = Path(__file__).resolve().parent.parent / "model_repository" / "llm_engine" / "1" / "eagle"
 

@@ -34,7 +34,8 @@ import time
 from collections import Counter
 
 from scripts.chat_prompts import HELDOUT, training_prompts
-from scripts.train_default_draft import CACHE, TARGET, generate_answers
+from scripts.default_target import TARGET
+from scripts.draft_data import CACHE, generate_answers
 
 OUT = CACHE / "magpie_prompts.json"
 SENTINEL = "\x00"

@@ -207,7 +207,7 @@ def test_speculation_with_a_draft_of_its_own_layers_stays_greedy_identical(smol,
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.sampling_params import SamplingParams
-    from scripts.train_default_draft import new_draft, save_draft
+    from scripts.draft_model import new_draft, save_draft
 
     token_ids = torch.arange(0, smol.config.vocab_size, 3)
     save_draft(new_draft(smol, [0, 1], token_ids), token_ids, tmp_path / "draft")
@@ -281,13 +281,14 @@ def test_the_shipped_eagle_head_fits_the_target_and_keeps_greedy_output(smol, sm
 @needs_default_model
 def test_the_served_head_drafts_what_its_training_script_evaluates(smol, smol_tokenizer, monkeypatch):
     """The engine's EAGLE drafts (the first from the target's feature pool, the second chained from
-    the head's own f^) equal those of scripts/train_eagle_draft.head_chain, the evaluation behind
+    the head's own f^) equal those of scripts/eagle_heldout.head_chain, the evaluation behind
     the head's offline acceptance, at every position the engine drafted from, over the engine's own
     greedy text (both read the float32 target's features)."""
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.sampling_params import SamplingParams
-    from scripts.train_eagle_draft import head_chain, load_head, target_item
+    from scripts.eagle_head import load_head
+    from scripts.eagle_heldout import head_chain, target_item
 
     _, head_dir = _shipped_draft()
     engine = LLMEngine(EngineConfig(model=str(DEFAULT_OUT), num_threads=os.cpu_count() or 1, speculative_method="eagle",
