@@ -4,6 +4,7 @@
     specserve-ab report --url http://localhost:9000 --plot ab.png   # and the arms' latency ECDFs
     specserve-ab report --json                                      # GET /v1/experiment as is
     specserve-ab replay LOG --control NAME --json                   # the verdict over a request log
+    specserve-ab replay LOG1 LOG2 --control NAME                    # over several gateway replicas' logs
 
 `replay` reads a request log (serving/experiments/request_log.py; rotated files too, oldest first) in arrival order
 through the very verdict the gateway runs (serving/experiments/verdict.py), looking after every request, and
@@ -30,21 +31,23 @@ def fetch(url: str, path: str) -> dict:
         return json.loads(response.read())
 
 
-def replay(log: str, control: str, experiment: str | None = None) -> dict:
-    """The verdict over a request log, looking after every request."""
-    from serving.experiments.request_log import RequestColumns, read_log
+def replay(logs: str | list[str], control: str, experiment: str | None = None) -> dict:
+    """The verdict over a request log, or several replicas' logs merged in time order (each
+    replica's periods strata of their own), looking after every request."""
+    from serving.experiments.request_log import RequestColumns, read_logs
     from serving.experiments.metrics import VerdictConfig
     from serving.experiments.verdict import Verdict
     from serving.experiments.rollout import load_experiment
 
     config = load_experiment(experiment)[1] if experiment else VerdictConfig()
+    logs = [logs] if isinstance(logs, str) else logs
     arms = {control: None}
-    for records in read_log(log):
+    for records in read_logs(logs):
         arms |= dict.fromkeys(r["arm"] for r in records)
     if len(arms) < 2:
-        raise SystemExit(f"{log}: no arm other than {control!r} in the log")
+        raise SystemExit(f"{', '.join(logs)}: no arm other than {control!r} in the log")
     verdict = Verdict(list(arms), config)
-    for records in read_log(log):
+    for records in read_logs(logs):
         verdict.add(RequestColumns.from_records(records))
     return verdict.report()
 
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--json", action="store_true", help="print the verdict's JSON")
     report.add_argument("--plot", help="write the arms' latency distributions (ECDFs) to this image")
     log = commands.add_parser("replay", help="the verdict over a request log")
-    log.add_argument("log", help="the request log (JSON lines; LOG.1, LOG.2, ... are read first)")
+    log.add_argument("log", nargs="+", help="the request log (JSON lines; LOG.1, LOG.2, ... are read first); "
+                                            "several: each gateway replica's, merged in time order")
     log.add_argument("--control", required=True, help="the control arm's name")
     log.add_argument("--experiment", help="an experiment file whose \"metrics\" to use")
     log.add_argument("--json", action="store_true", help="print the verdict's JSON")

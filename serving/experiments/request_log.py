@@ -13,11 +13,14 @@ appended as it ends, bounded by rotation (LOG, LOG.1, ... LOG.<backups>, oldest 
     ttft_s, itl_s, e2e_s, output_tokens   for requests that produced tokens: seconds to the first
              token, mean seconds between the later ones (2 tokens or more), to the end (ok only)
 
-The verdict (serving/experiments/verdict.py) reads these columns; `specserve-ab replay LOG` runs it over a log.
+The verdict (serving/experiments/verdict.py) reads these columns; `specserve-ab replay LOG` runs it over a log,
+`specserve-ab replay LOG LOG ...` over several gateway replicas' logs at once (read_logs).
 """
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import json
 import math
 import os
@@ -118,6 +121,26 @@ def log_files(path: str | Path) -> list[Path]:
     rotated = sorted((p for p in path.parent.glob(f"{path.name}.*") if p.suffix[1:].isdigit()),
                      key=lambda p: -int(p.suffix[1:]))
     return rotated + ([path] if path.exists() else [])
+
+
+def read_logs(paths: list[str | Path], chunk: int = CHUNK) -> Iterator[list[dict]]:
+    """Several gateway replicas' logs as one, in time order, `chunk` at a time. Each replica's
+    period p becomes p * replicas + its index, a stratum of its own: replicas whose weights changed
+    at different times, or that serve at different speeds, are compared arm against arm within
+    each, and a user whose requests went to several replicas is still one unit (the sticky key's
+    hash is the same everywhere). One log reads as read_log."""
+    if len(paths) == 1:
+        yield from read_log(paths[0], chunk)
+        return
+
+    def records(index: int, path: str | Path) -> Iterator[dict]:
+        for batch in read_log(path, chunk):
+            for record in batch:
+                yield record | {"period": int(record.get("period", 0)) * len(paths) + index}
+
+    merged = heapq.merge(*(records(i, p) for i, p in enumerate(paths)), key=lambda r: float(r.get("time", 0.0)))
+    while batch := list(itertools.islice(merged, chunk)):
+        yield batch
 
 
 def read_log(path: str | Path, chunk: int = CHUNK) -> Iterator[list[dict]]:
