@@ -23,12 +23,11 @@ Not thread-safe: backend.engine_loop.EngineLoop drives it from one thread.
 from __future__ import annotations
 
 import collections
-import gc
 import itertools
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from backend.config import EngineConfig
 from backend.core.block_manager import BlockManager
@@ -44,37 +43,21 @@ from backend.device import bind_device, check_gpus, device_of_rank
 from backend.errors import INTERNAL_ERROR, ValidationError
 from backend.host_copy import HostCopy
 from backend.host_memory import retain_freed_memory
+from backend.engine_setup import (
+    choose_linear_kernels, eos_token_ids, load_draft, make_proposer, prepare_steps, size_kv_pool,
+)
 from backend.host_waits import HostWaits
 from backend.model.attention import make_attention_backend
-from backend.model.linear_tuner import tune_cpu_linears, tune_quantized_linears, tune_small_batch_linears
-from backend.model.model_loader import (
-    TORCH_DTYPES,
-    load_draft_model,
-    load_eagle_head,
-    load_hf_config,
-    load_model,
-)
-from backend.model.model_runner import (
-    Executor,
-    ModelRunner,
-    kv_cache_bytes_per_block,
-    target_graph_query_lens,
-)
+from backend.model.model_loader import TORCH_DTYPES, load_hf_config, load_model
+from backend.model.executor import Executor
+from backend.model.model_runner import ModelRunner
 from backend.model.pipeline_parallel import pipeline_stage
 from backend.model.step_inputs import PendingTokens, target_input
 from backend.outputs import EngineStats, RequestOutput
-from backend.parallel.worker_group import (
-    PipelineExecutor,
-    TensorParallelExecutor,
-    WorkerGroup,
-)
+from backend.parallel.worker_group import PipelineExecutor, TensorParallelExecutor, WorkerGroup
 from backend.sample.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
 from backend.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.sampling_params import SamplingParams
-from backend.spec.draft_proposer import DraftProposer
-from backend.spec.eagle_proposer import EagleProposer
-from backend.spec.ngram_proposer import NgramProposer
-from backend.spec.proposer import Proposer
 from backend.spec.speculator import SpecStep, Speculator
 
 
@@ -137,68 +120,23 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, model, hf_config) -> None:
-        """Everything after the target's weights are loaded, stage by stage."""
-        self.eos_token_ids = self._eos_token_ids(config.model)
+        """Everything after the target's weights are loaded, stage by stage (engine_setup.py)."""
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = model.args.vocab_size
         self.attention = make_attention_backend(config.attention_backend, self.device)
-        self.draft_model = self._load_draft(config, model)
-        self._choose_linear_kernels(config, model)
-        self.num_blocks = self._size_kv_pool(config, model)
+        self.draft_model = load_draft(config, model, self.tokenizer, self.device, self.max_model_len)
+        self.linear_choices = choose_linear_kernels(config, model, self.draft_model, self.attention.name == "triton",
+                                                    self.device)
+        self.num_blocks = size_kv_pool(config, model, self.draft_model, self.dtype, self.draft_dtype, self.device)
         self._build_scheduling(config)
         self._build_runners(config, model)
         self._build_speculation(config)
-        self._prepare_steps(config)
+        prepare_steps(config, self.runner, self.speculator.proposer, self.device, self.attention, self.max_model_len)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.requests,
                                                 self.max_model_len)
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.peak_blocks_used = 0
-
-    def _load_draft(self, config: EngineConfig, model):
-        """The draft model or EAGLE head speculation drafts with; None without one."""
-        if config.speculative_method == "draft":
-            return load_draft_model(config.draft_model, model, self.tokenizer, config.draft_dtype, self.device,
-                                    self.max_model_len)
-        if config.speculative_method == "eagle":  # a head on the target's hidden states
-            return load_eagle_head(config.draft_model, model, config.draft_dtype, self.device, self.max_model_len,
-                                   config.model)
-        return None
-
-    def _choose_linear_kernels(self, config: EngineConfig, model) -> None:
-        """Triton kernels on CUDA, and the fastest linear kernel per weight shape, measured at load."""
-        self.linear_choices: dict[str, dict] = {}  # model -> weight shape -> small-batch kernel choice
-        for name, m in (("target", model), ("draft", self.draft_model)):
-            if m is None:
-                continue
-            m.use_triton_kernels(self.attention.name == "triton")  # RMSNorm and SiLU-multiply too
-            if self.attention.name == "triton" and self.device.type == "cuda":
-                self.linear_choices[name] = tune_small_batch_linears(m)
-        if config.quantization in ("int8", "int4") and self.device.type == "cpu":  # (the target's layers only)
-            self.linear_choices["target"] = tune_quantized_linears(model, config.quantization_dense_rows)
-        copies = self.device.type == "cpu" and config.tensor_parallel_size == 1 and config.cpu_weight_copies
-        if copies and config.quantization not in ("int8", "int4"):  # (float32 layers only)
-            self.linear_choices["target"] = tune_cpu_linears(model)
-        if copies and self.draft_model is not None:
-            self.linear_choices["draft"] = tune_cpu_linears(self.draft_model)
-
-    def _size_kv_pool(self, config: EngineConfig, model) -> int:
-        """KV blocks for the memory budget (target, draft and the head's feature pool per block);
-        the EAGLE feature pool is made here."""
-        eagle = config.speculative_method == "eagle"
-        bytes_per_block = kv_cache_bytes_per_block(model, config.block_size, self.dtype)
-        if self.draft_model is not None:
-            bytes_per_block += kv_cache_bytes_per_block(self.draft_model, config.block_size, self.draft_dtype)
-        if eagle:  # the target's features at every slot, for the head
-            bytes_per_block += config.block_size * self.draft_model.feature_width * self.dtype.itemsize
-        num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(bytes_per_block)
-        if num_blocks < 2:
-            raise ValidationError("kv_cache_memory_bytes", f"room for {num_blocks} KV blocks; need >= 2")
-        if eagle:  # written by the target's forwards, read by the head's (padding rows write the last)
-            model.feature_pool = self.draft_model.feature_pool = torch.zeros(
-                num_blocks * config.block_size + 1, self.draft_model.feature_width, dtype=self.dtype,
-                device=self.device)
-            model.feature_layers = self.draft_model.feature_layers
-        return num_blocks
 
     def _build_scheduling(self, config: EngineConfig) -> None:
         """Request limits, constraints, KV blocks and the scheduler."""
@@ -222,16 +160,13 @@ class LLMEngine:
 
     def _build_speculation(self, config: EngineConfig) -> None:
         """The proposer and the speculator; overlapped steps and how many steps are in flight."""
-        proposer: Proposer | None = None
+        draft_runner = None
         if self.draft_model is not None:
             draft_runner = ModelRunner(
                 self.draft_model, self.attention, self.num_blocks, config.block_size, self.device, self.draft_dtype,
                 self.host_waits,
             )
-            eagle = config.speculative_method == "eagle"
-            proposer = (EagleProposer if eagle else DraftProposer)(draft_runner, self.sampler, self.vocab_size)
-        elif config.speculative_method == "ngram":
-            proposer = NgramProposer()
+        proposer = make_proposer(config, self.draft_model, draft_runner, self.sampler, self.vocab_size)
         # overlapped steps: on CUDA by default, without speculation (speculation with them is not yet
         # measured on a GPU); asked for, with either. Adaptive k times each step
         # on the device's clock and reads it after the read-back, so it works with overlapped
@@ -247,21 +182,6 @@ class LLMEngine:
         self.max_requests_per_step = -(-config.max_num_seqs // self.depth) if pipelined else None
         self.in_flight: collections.deque[InFlightStep] = collections.deque()  # launched, not read back; oldest first
 
-    def _prepare_steps(self, config: EngineConfig) -> None:
-        """CUDA graphs of the uniform steps, or the CPU's compiled steps, asked for."""
-        proposer = self.speculator.proposer
-        query_lens = target_graph_query_lens(config, self.device, self.attention)
-        if query_lens:  # the target: decode steps, and verifications of num_speculative_tokens drafts each
-            # (under tensor parallelism every worker captures the same graphs with it);
-            # the draft: its one-token forwards, and its first after a verification (2 tokens)
-            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, query_lens)
-            if proposer is not None and proposer.runner is not None and config.speculative_method != "eagle":
-                proposer.runner.capture_graphs(config.max_num_seqs, self.max_model_len, (1, 2))  # (the head runs eagerly)
-        if config.compile_decode and self.device.type == "cpu":  # (on CUDA decode steps replay graphs)
-            self.runner.compile_decode()
-        if config.compile_prefill and self.device.type == "cpu":
-            self.runner.compile_prefill()
-
     @property
     def fault_hook(self) -> FaultHook | None:
         return self.output_processor.fault_hook
@@ -274,30 +194,6 @@ class LLMEngine:
         """Stop the worker ranks, if any."""
         if self.workers is not None:
             self.workers.close()
-
-    # -- set-up ---------------------------------------------------------------------------------
-    def _eos_token_ids(self, model_dir: str) -> frozenset[int]:
-        ids: set[int] = set()
-        try:
-            eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        except OSError:
-            pass
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
-
-    def _num_blocks_for_budget(self, bytes_per_block: int) -> int:
-        if self.device.type == "cuda":
-            # memory an engine made before this one in the process held counts as free once that
-            # engine is gone: collected, and handed back by the allocator's cache
-            gc.collect()
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
-        else:
-            budget = self.config.kv_cache_memory_bytes
-        return max(budget // bytes_per_block, 0)
 
     # -- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

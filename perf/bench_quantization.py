@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.model.quantized_linear import swap_linears
+from backend.model.linear_swap import swap_linears
 from perf.harness import (
     batch1_step_ms,
     common_prefix,

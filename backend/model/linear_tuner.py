@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.model.model import Linear
-from backend.model.quantized_linear import KERNEL_DTYPE, Fp8Linear, RescoredHead, WeightOnlyLinear
+from backend.model.linear_swap import RescoredHead
+from backend.model.quantized_linear import KERNEL_DTYPE, Fp8Linear, WeightOnlyLinear
 from specserve_kernels.gemv import MAX_ROWS, gemv
 
 ROW_COUNTS = (1, 2, 4, 8, MAX_ROWS)

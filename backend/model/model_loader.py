@@ -33,7 +33,7 @@ from backend.model.pipeline_parallel import (
     split_model,
     stage_parameter_name,
 )
-from backend.model.quantized_linear import quantize_linears
+from backend.model.linear_swap import quantize_linears
 from backend.model.tensor_parallel import (
     TensorParallelRank,
     checkpoint_slice,

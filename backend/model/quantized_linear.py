@@ -56,10 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.config import check_quantization
 from backend.errors import ValidationError
-from backend.model.model import Linear
-from backend.model.tensor_parallel import ParallelLMHead
 from specserve_kernels import cpu_ops, int4_cpu
 from specserve_kernels.gemv import fp8_scales, gemv, to_fp8
 
@@ -180,11 +177,11 @@ class Int8Linear(WeightOnlyLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.qweight.device.type == "cpu":
-            rows = _rows(x)
+            rows = as_rows(x)
             y = self.dense_product(rows)
             if y is None:
                 y = torch._weight_int8pack_mm(rows.to(KERNEL_DTYPE), self.qweight, self.scale)
-            y = _unflatten(y.to(x.dtype), x)
+            y = unflatten_rows(y.to(x.dtype), x)
         else:
             y = F.linear(x, (self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]))
         return y if self.bias is None else y + self.bias
@@ -269,13 +266,13 @@ class Int4Linear(WeightOnlyLinear):
         if self.layout == "codes":
             y = F.linear(x, self.dequantized_weight().to(x.dtype))
             return y if self.bias is None else y + self.bias
-        rows = _rows(x)
+        rows = as_rows(x)
         if self.layout == "blocks" and torch.compiler.is_compiling():
             # a compiled graph calls the kernel as an operator, which chooses the dense copy from
             # its row count itself (a comparison here would be a condition on the graph)
             y = int4_product_op(rows.float(), self.qweight, self.step, self.minimum, self.dense_number,
                                 self.dense_min_rows)
-            y = _unflatten(y.to(x.dtype), x)
+            y = unflatten_rows(y.to(x.dtype), x)
             return y if self.bias is None else y + self.bias
         y = self.dense_product(rows)
         if y is None and self.layout == "blocks":  # (eagerly the kernel is called directly: no dispatch)
@@ -285,7 +282,7 @@ class Int4Linear(WeightOnlyLinear):
                                                            self.scales_and_zeros)
             if y.shape[1] != self.out_features:  # padding rows
                 y = y[:, : self.out_features]
-        y = _unflatten(y.to(x.dtype), x)
+        y = unflatten_rows(y.to(x.dtype), x)
         return y if self.bias is None else y + self.bias
 
     @property
@@ -366,12 +363,12 @@ class Fp8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = _rows(x)
+        rows = as_rows(x)
         if rows.shape[0] <= self.gemv_max_rows:
             y = gemv(rows, self.qweight, self.bias, weight_scale=self.scale)
         else:
             y = self.scaled_product(rows)
-        return _unflatten(y, x)
+        return unflatten_rows(y, x)
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -381,92 +378,12 @@ def check_fp8_device(device: torch.device) -> None:
                                               f"Hopper); this one has {have}")
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as the 2-D input the packed kernels take (the engine's activations already are)."""
     return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
-def _unflatten(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def unflatten_rows(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-class RescoredHead(nn.Module):
-    """An lm_head whose quantized logits choose the candidates and whose float weight scores them:
-    each row's `candidates` highest quantized logits are computed again exactly from the float
-    weight (the embedding table when the head is tied: no copy), so greedy decoding and the top of
-    every distribution carry no quantization error, at the cost of reading `candidates` rows."""
-
-    def __init__(self, quantized: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, candidates: int):
-        super().__init__()
-        self.quantized, self.candidates = quantized, candidates
-        self.exact_weight = weight.detach()  # a plain tensor: not a parameter, read a few rows a step
-        self.exact_bias = None if bias is None else bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
-        flat = _rows(x)
-        logits = self.quantized(flat)
-        rows = logits.topk(min(self.candidates, logits.shape[-1]), dim=-1).indices  # [n, candidates]
-        exact = torch.bmm(self.exact_weight[rows], flat.to(self.exact_weight.dtype).unsqueeze(-1)).squeeze(-1)
-        if self.exact_bias is not None:
-            exact = exact + self.exact_bias[rows]
-        return _unflatten(logits.scatter(-1, rows, exact.to(logits.dtype)), x)
-
-
-HEAD_CANDIDATES = 32
-
-
-def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int = 32,
-                     lm_head: bool = False) -> nn.Module:
-    """The quantized form of y = x @ weight.T + bias ("int8", "int4" or "fp8"); an lm_head's is a
-    RescoredHead over it (not made for fp8, whose lm_head stays as it is)."""
-    if mode == "fp8":
-        return Fp8Linear(weight, bias)
-    layer = Int8Linear(weight, bias) if mode == "int8" else Int4Linear(weight, bias, group_size)
-    return RescoredHead(layer, weight, bias, HEAD_CANDIDATES) if lm_head else layer
-
-
-def quantize_linears(model: nn.Module, mode: str, group_size: int = 32) -> int:
-    """Quantizes every linear layer of the model (backend/model/model.py's Linear, including the
-    tensor-parallel ones, and the lm_head, rescored from its float weight, which it keeps: a tied
-    one shares it with the embedding table, which stays as it is). Each keeps its own forward
-    (a row-parallel layer still all-reduces) and multiplies through its `quantized` layer; its float
-    weight is dropped. Returns the bytes of quantized weight ("none": leaves the model, 0).
-    fp8 leaves the lm_head as it is."""
-    check_quantization(mode, group_size)
-    if mode == "none":
-        return 0
-    total = 0
-    for name, module in model.named_modules():
-        if mode == "fp8" and _is_lm_head(name):
-            continue
-        if isinstance(module, (Linear, ParallelLMHead)) and module.quantized is None:
-            bias = getattr(module, "bias", None)
-            module.quantized = quantized_linear(module.weight, bias, mode, group_size, _is_lm_head(name))
-            module.weight = None
-            if bias is not None:
-                module.bias = None
-            total += sum(b.numel() * b.element_size() for b in module.quantized.buffers())
-    return total
-
-
-def swap_linears(model: nn.Module, mode: str, group_size: int = 32, dense_rows: int = -1) -> nn.Module:
-    """Replaces every torch nn.Linear of a model from elsewhere (HF transformers', for the tests
-    and benchmarks that compare against it) by its quantized form, multiplying by a dense copy
-    from `dense_rows` rows of input (-1: never); returns the model."""
-    check_quantization(mode, group_size)
-    if mode != "none":
-        for parent_name, parent in list(model.named_modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
-                    head = _is_lm_head(f"{parent_name}.{name}" if parent_name else name)
-                    if mode == "fp8" and head:
-                        continue
-                    layer = quantized_linear(child.weight, child.bias, mode, group_size, head)
-                    if mode != "fp8":
-                        (layer.quantized if head else layer).use_dense_from(dense_rows if dense_rows > 0 else None)
-                    setattr(parent, name, layer)
-    return model
-
-
-def _is_lm_head(module_name: str) -> bool:
-    return module_name.rpartition(".")[2] == "lm_head"

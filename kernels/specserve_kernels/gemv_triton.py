@@ -6,7 +6,9 @@ import triton
 import triton.language as tl
 
 from specserve_kernels.gemv_limits import FP8, FP8_MAX, FP8_MIN_AMAX, MAX_ROWS
-from specserve_kernels.launch import FLOAT_DTYPES, check_device, check_last_dim_contiguous, dot_config
+from specserve_kernels.launch import FLOAT_DTYPES, check_device, check_last_dim_contiguous, dot_config, interpreted
+
+INTERPRETED_MAX_TILE = 1024
 
 _FP8_MAX = tl.constexpr(FP8_MAX)  # (a jit'd function reads globals only as constexprs)
 _FP8_MIN_AMAX = tl.constexpr(FP8_MIN_AMAX)
@@ -58,6 +60,12 @@ def default_tiles(dtype: torch.dtype) -> tuple[int, int]:
     return 16, 512 // dtype.itemsize
 
 
+def interpreted_tiles(n: int, k: int) -> tuple[int, int]:
+    """(block_n, block_k) under the interpreter, which runs each program in turn in numpy: one tile
+    as large as the weight (up to INTERPRETED_MAX_TILE a side) is 10-25x faster than the GPU's."""
+    return tuple(min(max(16, 1 << (size - 1).bit_length()), INTERPRETED_MAX_TILE) for size in (n, k))
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          block_n: int | None = None, block_k: int | None = None,
          weight_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,7 +91,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
     (m, k), n = x.shape, weight.shape[0]
-    tiles = default_tiles(weight.dtype)
+    tiles = interpreted_tiles(n, k) if interpreted(_gemv_kernel) else default_tiles(weight.dtype)
     block_n, block_k = block_n or tiles[0], block_k or tiles[1]
     for name, size in (("block_n", block_n), ("block_k", block_k)):
         if size < 16 or size & (size - 1):

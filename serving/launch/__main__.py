@@ -1,6 +1,6 @@
-"""python -m serving.launch: start tritonserver on the model repository (launcher.py)."""
+"""python -m serving.launch: start tritonserver on the model repository (cli.py)."""
 import sys
 
-from serving.launch.launcher import main
+from serving.launch.cli import main
 
 sys.exit(main())

@@ -1,10 +1,9 @@
 """Start a real tritonserver on the specserve model repository.
 
-The binary is looked up in this order: `$TRITONSERVER_BIN`, `tritonserver` on PATH (the NGC
-container), then the copy that the `nvidia-pytriton` wheel ships. The wheel's copy needs what
-the container has by default: a Python backend directory holding the stub built for the running
-Python, and the interpreter's shared libpython and the wheel's bundled libraries on
-LD_LIBRARY_PATH.
+tritonserver_binary.py finds the binary: `$TRITONSERVER_BIN`, `tritonserver` on PATH (the NGC
+container), then the copy that the `nvidia-pytriton` wheel ships, with what the container has by
+default: a Python backend directory holding the stub built for the running Python, and the
+interpreter's shared libpython and the wheel's bundled libraries on LD_LIBRARY_PATH.
 
 The stub embeds an isolated interpreter: it ignores PYTHONPATH and finds its prefix by looking
 up `python3` on PATH. So this interpreter's bin directory goes first on PATH (inside a virtual
@@ -27,8 +26,6 @@ What the server lets a client do (README "Security"):
 """
 from __future__ import annotations
 
-import argparse
-import hashlib
 import os
 import secrets
 import shutil
@@ -38,7 +35,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,11 +43,11 @@ from pathlib import Path
 from typing import IO
 
 from serving.triton.engine_stream import GRPC_URL_VARIABLE
+from serving.launch.tritonserver_binary import LaunchError, Tritonserver, find_tritonserver
 from serving.triton.runtime_directory import RUNTIME_DIR_VARIABLE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 ADMIN_HEADER = "specserve-admin-key"  # the HTTP header that carries the admin key
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # its gRPC metadata key, as tritonserver names it
 ADMIN_KEY_VARIABLE = "SPECSERVE_ADMIN_KEY"
@@ -61,17 +57,6 @@ ADMIN_KEY_VARIABLE = "SPECSERVE_ADMIN_KEY"
 RESTRICTED_APIS = ("model-repository", "logging", "trace", "shared-memory")
 TEST_ONLY_VARIABLES = ("SPECSERVE_FAULT_INJECTION",)  # never inherited, only passed by `extra_env`
 ANY_ADDRESS = ("0.0.0.0", "::", "")
-
-
-class LaunchError(RuntimeError):
-    """tritonserver could not be found, prepared or started; the message says what to do."""
-
-
-@dataclass(slots=True)
-class Tritonserver:
-    binary: Path
-    backend_directory: Path | None  # None: the binary's own default (/opt/tritonserver/backends)
-    library_path: list[str] = field(default_factory=list)  # prepended to LD_LIBRARY_PATH
 
 
 @dataclass
@@ -136,86 +121,6 @@ class ServerHandle:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def find_tritonserver() -> Tritonserver:
-    explicit = os.environ.get("TRITONSERVER_BIN")
-    if explicit:
-        if not os.access(explicit, os.X_OK):
-            raise LaunchError(f"TRITONSERVER_BIN={explicit} is not an executable file")
-        return Tritonserver(Path(explicit), backend_directory=None)
-    on_path = shutil.which("tritonserver")
-    if on_path:
-        return Tritonserver(Path(on_path), backend_directory=None)
-    return _pip_tritonserver()
-
-
-def _pip_tritonserver() -> Tritonserver:
-    try:
-        import pytriton
-    except ImportError:
-        raise LaunchError(
-            "no tritonserver found: set TRITONSERVER_BIN, put tritonserver on PATH, "
-            "or `pip install nvidia-pytriton` (ships one)"
-        ) from None
-    dist = Path(pytriton.__file__).parent / "tritonserver"
-    binary = dist / "bin" / "tritonserver"
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not binary.exists():
-        raise LaunchError(f"nvidia-pytriton is installed but has no tritonserver at {binary}")
-    if not stub.exists():
-        shipped = sorted(p.name for p in (dist / "python_backend_stubs").iterdir())
-        raise LaunchError(
-            f"nvidia-pytriton has no Python backend stub for Python {version} "
-            f"(it ships {', '.join(shipped)}); use one of those Python versions"
-        )
-    libdir = _shared_libpython_dir()
-    bundled_libs = dist.parent.parent / "nvidia_pytriton.libs"
-    return Tritonserver(
-        binary,
-        backend_directory=_prepare_backend_directory(dist, stub),
-        library_path=[libdir, str(bundled_libs)],
-    )
-
-
-def _shared_libpython_dir() -> str:
-    """Directory of this interpreter's libpythonX.Y.so, which the Python backend stub links."""
-    libdir = sysconfig.get_config_var("LIBDIR") or ""
-    name = sysconfig.get_config_var("LDLIBRARY") or ""
-    shared = sysconfig.get_config_var("Py_ENABLE_SHARED")
-    if not shared or not name.endswith(".so") or not (Path(libdir) / name).exists():
-        raise LaunchError(
-            f"{sys.executable} has no shared libpython (Py_ENABLE_SHARED={shared}, "
-            f"LIBDIR={libdir}, LDLIBRARY={name}); the Python backend stub needs "
-            f"libpython{sys.version_info.major}.{sys.version_info.minor}.so. Use a Python built "
-            "with --enable-shared (distribution packages are; for pyenv: "
-            'PYTHON_CONFIGURE_OPTS="--enable-shared" pyenv install ...)'
-        )
-    return libdir
-
-
-def _prepare_backend_directory(dist: Path, stub: Path) -> Path:
-    """Copy the Python backend plus the stub for this Python into a cache dir, once per version."""
-    sources = [dist / "backends" / "python" / name for name in PYTHON_BACKEND_FILES] + [stub]
-    key = hashlib.sha256()
-    for src in sources:
-        st = src.stat()
-        key.update(f"{src}:{st.st_size}:{st.st_mtime_ns}".encode())
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specserve"
-    backends = cache / f"triton-backends-{key.hexdigest()[:16]}"
-    if (backends / "python" / stub.name).exists():
-        return backends
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="backends-", dir=cache))
-    (staging / "python").mkdir()
-    for src in sources:
-        shutil.copy2(src, staging / "python" / src.name)
-    try:
-        staging.rename(backends)  # atomic: concurrent launchers race safely
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-    return backends
 
 
 def inherited_environment() -> dict[str, str]:
@@ -401,101 +306,3 @@ def _answers_200(url: str) -> bool:
             return r.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="specserve-serve", description="Serve the specserve model repository with tritonserver."
-    )
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbosity (0: off)")
-    parser.add_argument("--log-level", choices=("error", "warning", "info"), default="info")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds")
-    parser.add_argument(
-        "--exit-timeout", type=int, default=30,
-        help="seconds to let requests in flight finish on Ctrl-C or SIGTERM",
-    )
-    parser.add_argument("--openai-port", type=int, default=9000,
-                        help="the OpenAI-compatible API (serving/gateway/server.py); 0: off")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="the address every endpoint binds to (0.0.0.0: every interface, as in a container)")
-    for endpoint in ("http", "grpc", "metrics", "openai"):
-        parser.add_argument(f"--{endpoint}-address", help=f"the {endpoint} endpoint's own bind address (default: --host)")
-    parser.add_argument("--reload-engine", action=argparse.BooleanOptionalAction, default=True,
-                        help="load llm_engine again (with a backoff) when its engine dies; exit 1 if that keeps failing")
-    args = parser.parse_args(argv)
-
-    admin_key = os.environ.get(ADMIN_KEY_VARIABLE, "")  # else a random one that nobody is shown
-    try:
-        handle = start_server(
-            args.model_repository,
-            args.http_port,
-            args.grpc_port,
-            args.metrics_port,
-            args.log_verbose,
-            args.log_level,
-            ready_timeout=args.ready_timeout,
-            exit_timeout=args.exit_timeout,
-            host=args.host,
-            http_address=args.http_address,
-            grpc_address=args.grpc_address,
-            metrics_address=args.metrics_address,
-            admin_key=admin_key or None,
-        )
-    except LaunchError as e:
-        print(f"specserve-serve: {e}", file=sys.stderr)
-        return 1
-
-    openai = None
-    if args.openai_port:  # beside tritonserver, stopped with it; SPECSERVE_API_KEY reaches it from here
-        openai = subprocess.Popen([sys.executable, "-m", "serving.gateway.server", "--triton", handle.grpc_url,
-                                   "--host", args.openai_address or args.host, "--port", str(args.openai_port)],
-                                  cwd=REPO_ROOT, env=inherited_environment())
-    gave_up = threading.Event()
-    supervisor = None
-    if args.reload_engine:
-        from serving.launch.supervisor import EngineSupervisor
-
-        def give_up() -> None:
-            gave_up.set()
-            handle.process.send_signal(signal.SIGTERM)
-
-        supervisor = EngineSupervisor(handle, give_up, log=lambda line: print(line, file=sys.stderr, flush=True)).start()
-
-    def forward(signum, _frame):  # a signal handler: no locks (a second signal may interrupt the first)
-        if supervisor is not None:
-            supervisor.shutting_down = True  # a server shutting down is not loaded again
-        for process in (handle.process, openai):
-            if process is not None and process.poll() is None:
-                process.send_signal(signum)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-    openai_line = f"  OpenAI   http://{handle.host}:{args.openai_port}/v1 (model specserve)\n" if openai else ""
-    admin = f"from {ADMIN_KEY_VARIABLE}" if admin_key else f"closed (set {ADMIN_KEY_VARIABLE} to use it)"
-    print(
-        f"\nspecserve is ready: model `llm`\n"
-        f"  HTTP     http://{handle.http_url}/v2/models/llm/generate_stream\n"
-        f"  gRPC     {handle.grpc_url}\n"
-        f"{openai_line}"
-        f"  metrics  {handle.metrics_url}\n"
-        f"  model-repository API  {admin}\n"
-        f'  try      python -m client.cli "Once upon a time" --max-tokens 64 '
-        f"--url {handle.grpc_url}\n",
-        flush=True,
-    )
-    code = handle.process.wait()
-    if supervisor is not None:
-        supervisor.stop()
-    if openai is not None:
-        openai.terminate()
-        openai.wait()
-    handle.stop()  # removes the runtime directory
-    return 1 if gave_up.is_set() else code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

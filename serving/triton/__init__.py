@@ -1,8 +1,10 @@
 """The python-backend models and what only they use.
 
     llm_engine.py       the decoupled `llm_engine` model around backend.EngineLoop, with
-                        sender_lane.py (one stuck receiver blocks no other), engine_metrics.py,
-                        device_map.py (which device an instance runs on) and admission_gate.py
+                        llm_engine_io.py (its parameters, a request's inputs, responses and errors),
+                        request_state.py, sender_lane.py (one stuck receiver blocks no other),
+                        engine_metrics.py, device_map.py (which device an instance runs on) and
+                        admission_gate.py (back-pressure)
     llm_bls.py          the decoupled `llm_bls` model: preprocessing in-process, llm_engine over
                         engine_stream.py (a gRPC stream to the server's own endpoint)
     preprocessing.py    the `preprocessing` and `trtllm_preprocessing` models

@@ -37,39 +37,30 @@ import os
 import queue
 import threading
 import time
-import traceback
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
-from backend.config import EngineConfig
+from backend.core.fault_injection import fault_hook_from_env
 from backend.engine import LLMEngine
-from backend.process.engine_core_client import EngineCoreClient
 from backend.engine_driver import EngineDriver
 from backend.engine_loop import EngineLoop
-from backend.errors import (
-    INTERNAL_ERROR,
-    SHUTTING_DOWN,
-    UNAVAILABLE_ERRORS,
-    EngineDeadError,
-    ValidationError,
-)
-from backend.core.fault_injection import fault_hook_from_env
+from backend.errors import INTERNAL_ERROR, SHUTTING_DOWN
 from backend.outputs import RequestOutput
-from backend.sampling_params import SamplingParams
+from backend.process.engine_core_client import EngineCoreClient
 from serving.triton.abort_channel import AbortListener, abort_everywhere, instances_directory
 from serving.triton.abort_key import checked_abort_key, key_digest, proves, require_stop_key
 from serving.triton.admission_gate import AdmissionGate
-from serving.triton.device_map import check_nodes, instance_device, instance_gpu_ids, instance_placement
 from serving.triton.early_aborts import EarlyAborts
 from serving.triton.engine_metrics import EngineMetrics
+from serving.triton.llm_engine_io import (
+    FINAL, bytes_tensor, engine_config, engine_request, final_error, format_traceback, input_text, json_object,
+    refuse, uint32_tensor, vllm_logprobs,
+)
+from serving.triton.request_state import RequestState
 from serving.triton.sender_lane import PendingSend, SenderLane
 
-PATH_PARAMETERS = ("model", "tokenizer", "draft_model")  # relative to this model's directory
 # How often the sender checks requests for cancellation and refreshes the gauges. Each check is
 # a round trip to the server, so one poll checks at most CANCEL_CHECKS_PER_POLL requests, taking
 # turns: with hundreds queued, checking all of them every poll cost ~10% of the throughput.
@@ -83,33 +74,6 @@ SEND_TIMEOUT_S = 10.0
 # UNAVAILABLE and then holds execute() this long, so that Triton hands the next requests to others.
 FAILED_INSTANCE_HOLD_S = 1.0
 _STOP = object()
-# request_options keys (preprocessing's RequestOptions): each a boolean
-REQUEST_OPTIONS = (
-    "stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-    "return_num_output_tokens", "return_logprobs", "return_cumulative_logprob", "null_logprobs", "in_band_errors",
-    "return_output_log_probs", "return_batch_index",
-)
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-@dataclass(slots=True)
-class RequestState:
-    request_id: str  # the engine's id
-    sender: object  # pb_utils.InferenceResponseSender
-    lane: int  # index of the sender lane that sends its responses
-    triton_request_id: str  # the id the client gave the request ("" if none), for abort_request_id
-    abort_key_digest: bytes  # SHA-256 of the request's abort_key (b"": no stop request can end it)
-    options: dict  # stream, exclude_input_in_output, return_* flags (see preprocessing)
-    prompt_text: str
-    arrival: float  # time.monotonic() when execute() received the request
-    last_token_time: float | None = None
-    cancelled: bool = False
-    text: list[str] = field(default_factory=list)  # not streaming: the completion so far
-    logprobs: list[dict] = field(default_factory=list)  # not sent yet
-    unsent_tokens: int = 0  # tokens generated since the last response
-    echo_pending: bool = False  # the prompt still has to precede the next text
-    abandoned: bool = False  # its receiver is stuck: nothing more is sent
-    started: bool = False  # its first output has come (AdmissionGate)
 
 
 class TritonPythonModel:
@@ -119,19 +83,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 "llm_engine must be decoupled: model_transaction_policy { decoupled: true }"
             )
-        model_dir = Path(args["model_repository"])
-        parameters = _engine_parameters(model_config, model_dir)
-        engine_process = _flag("engine_process", parameters.pop("engine_process", "false"))
-        max_pending = _count("max_pending_requests", parameters.pop("max_pending_requests", "0"))
-        placement = instance_placement(args, model_config)
-        gpu_device_ids = parameters.pop("gpu_device_ids", "")
-        parameters["device"] = instance_device(
-            placement, parameters.get("device", "auto"), gpu_device_ids,
-            int(parameters.get("tensor_parallel_size", "1") or 1), torch.cuda.device_count(),
-        )
-        parameters["gpu_device_ids"] = instance_gpu_ids(placement, gpu_device_ids)  # a GPU per rank
-        config = EngineConfig.from_strings(parameters)
-        check_nodes(placement, config.nnodes)
+        config, engine_process, max_pending = engine_config(args, model_config)
         self.model_name = args["model_name"]
         self.instance_name = args.get("model_instance_name") or self.model_name
         where = "in its own process" if engine_process else "in this process"
@@ -181,7 +133,7 @@ class TritonPythonModel:
                 self._submit(request)
             except Exception as e:  # a malformed abort_request_id, or a bug
                 try:
-                    _refuse(request.get_response_sender(), e)
+                    refuse(request.get_response_sender(), e)
                 except Exception:
                     pass  # it was answered already
         self.gate.wait_for_room(lambda: self.closing or self.loop.dead)
@@ -192,11 +144,11 @@ class TritonPythonModel:
     def _submit(self, request) -> None:
         arrival = time.monotonic()
         sender = request.get_response_sender()
-        abort_request_id = _text(request, "abort_request_id")
-        abort_key = checked_abort_key(_text(request, "abort_key"))
+        abort_request_id = input_text(request, "abort_request_id")
+        abort_key = checked_abort_key(input_text(request, "abort_key"))
         if abort_request_id:
             require_stop_key(abort_key)
-            delivered = (_json_object(request, "request_options") or {}).get("abort_delivered") is True
+            delivered = (json_object(request, "request_options") or {}).get("abort_delivered") is True
             if not delivered and not abort_everywhere(self.model_name, abort_request_id, abort_key):
                 self._abort_by_triton_id(abort_request_id, abort_key)  # no listener answered: this instance at least
             sender.send(flags=FINAL)
@@ -208,7 +160,7 @@ class TritonPythonModel:
             return
         request_id = uuid.uuid4().hex
         try:
-            prompt_ids, params, options, prompt_text = _engine_request(request)
+            prompt_ids, params, options, prompt_text = engine_request(request)
             lane = next(self.next_lane) % NUM_SENDER_LANES
             state = RequestState(request_id, sender, lane, triton_request_id, digest, options, prompt_text, arrival)
             state.echo_pending = not options.get("exclude_input_in_output", True)
@@ -218,7 +170,7 @@ class TritonPythonModel:
         except Exception as e:
             if self.requests.pop(request_id, None) is not None:
                 self.gate.started()  # it never will
-            _refuse(sender, e)
+            refuse(sender, e)
 
     def _abort_by_triton_id(self, triton_request_id: str, abort_key: str) -> None:
         """Abort every request in flight sent with this Triton request id and abort key (on the
@@ -235,7 +187,7 @@ class TritonPythonModel:
             if not engine_ids and abort_key:
                 self.early_aborts.remember(triton_request_id, key_digest(abort_key))
         except Exception as e:
-            pb_utils.Logger.log_error(f"llm_engine: abort of {triton_request_id!r} failed: {_traceback(e)}")
+            pb_utils.Logger.log_error(f"llm_engine: abort of {triton_request_id!r} failed: {format_traceback(e)}")
 
     # -- engine thread: enqueue only ------------------------------------------------------------
     def _on_output(self, output: RequestOutput) -> None:
@@ -263,7 +215,7 @@ class TritonPythonModel:
                     if self.loop.dead and not self.unloading:
                         self._unload()
             except Exception as e:
-                pb_utils.Logger.log_error(f"llm_engine: sender: {_traceback(e)}")
+                pb_utils.Logger.log_error(f"llm_engine: sender: {format_traceback(e)}")
 
     def _replace_stuck_lanes(self, now: float) -> None:
         """A lane whose send has waited SEND_TIMEOUT_S: its request is abandoned (aborted in the
@@ -286,10 +238,10 @@ class TritonPythonModel:
 
     def _send_failed(self, item: PendingSend, error: Exception) -> None:
         """On a lane's thread: a send raised. A final response must still end the request."""
-        pb_utils.Logger.log_warn(f"llm_engine: sending a response failed: {_traceback(error)}")
+        pb_utils.Logger.log_warn(f"llm_engine: sending a response failed: {format_traceback(error)}")
         if item.flags & FINAL:
             try:
-                item.state.sender.send(_final_error(item.state, INTERNAL_ERROR), flags=FINAL)
+                item.state.sender.send(final_error(item.state.options, INTERNAL_ERROR), flags=FINAL)
             except Exception:
                 pass  # the client is gone
 
@@ -298,7 +250,7 @@ class TritonPythonModel:
         response, the abandoned request still needs one."""
         if not item.flags & FINAL:
             try:
-                item.state.sender.send(_final_error(item.state, INTERNAL_ERROR), flags=FINAL)
+                item.state.sender.send(final_error(item.state.options, INTERNAL_ERROR), flags=FINAL)
             except Exception:
                 pass  # the client is gone
 
@@ -356,9 +308,9 @@ class TritonPythonModel:
         try:
             self._respond(state, output)
         except Exception as e:
-            pb_utils.Logger.log_warn(f"llm_engine: building a response failed: {_traceback(e)}")
+            pb_utils.Logger.log_warn(f"llm_engine: building a response failed: {format_traceback(e)}")
             if output.finished:  # the request must still end, or its client waits forever
-                self._send(state, _final_error(state, INTERNAL_ERROR), FINAL)
+                self._send(state, final_error(state.options, INTERNAL_ERROR), FINAL)
 
     def _observe_latency(self, state: RequestState, now: float, num_new_tokens: int) -> None:
         if state.last_token_time is None:
@@ -372,7 +324,7 @@ class TritonPythonModel:
 
     def _respond(self, state: RequestState, output: RequestOutput) -> None:
         if output.finished and output.finish_reason == "error":
-            self._send(state, _final_error(state, output.error or INTERNAL_ERROR), FINAL)
+            self._send(state, final_error(state.options, output.error or INTERNAL_ERROR), FINAL)
             return
         if output.finished and state.cancelled:
             self._send(state, flags=FINAL)
@@ -393,15 +345,15 @@ class TritonPythonModel:
         if state.echo_pending:
             text, state.echo_pending = state.prompt_text + text, False
         options = state.options
-        tensors = [_bytes_tensor("text_output", text)]
+        tensors = [bytes_tensor("text_output", text)]
         if options.get("return_finish_reason"):
-            tensors.append(_bytes_tensor("finish_reason", str(output.finish_reason if output.finished else None)))
+            tensors.append(bytes_tensor("finish_reason", str(output.finish_reason if output.finished else None)))
         if options.get("return_cumulative_logprob"):
             value = output.cumulative_logprob or 0.0
             tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))
         if options.get("return_logprobs"):
-            entries = None if options.get("null_logprobs") else [_vllm_logprobs(e) for e in state.logprobs]
-            tensors.append(_bytes_tensor("logprobs", json.dumps(entries)))
+            entries = None if options.get("null_logprobs") else [vllm_logprobs(e) for e in state.logprobs]
+            tensors.append(bytes_tensor("logprobs", json.dumps(entries)))
         if options.get("return_output_log_probs"):  # TensorRT-LLM's: [beam, tokens]
             values = [[e["logprob"] for e in state.logprobs]]
             tensors.append(pb_utils.Tensor("output_log_probs", np.array(values, dtype=np.float32)))
@@ -409,9 +361,9 @@ class TritonPythonModel:
             tensors.append(pb_utils.Tensor("batch_index", np.zeros((1, 1), dtype=np.int32)))
         state.logprobs = []
         if options.get("return_num_input_tokens"):
-            tensors.append(_uint32_tensor("num_input_tokens", output.num_prompt_tokens))
+            tensors.append(uint32_tensor("num_input_tokens", output.num_prompt_tokens))
         if options.get("return_num_output_tokens"):
-            tensors.append(_uint32_tensor("num_output_tokens", state.unsent_tokens))
+            tensors.append(uint32_tensor("num_output_tokens", state.unsent_tokens))
         state.unsent_tokens = 0
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
@@ -426,135 +378,7 @@ class TritonPythonModel:
             lane.stop(timeout=10)
         for state in self.requests.values():
             if not state.abandoned:
-                state.sender.send(_final_error(state, SHUTTING_DOWN), flags=FINAL)
+                state.sender.send(final_error(state.options, SHUTTING_DOWN), flags=FINAL)
         self.requests.clear()
 
 
-def _flag(name: str, value: str) -> bool:
-    if value.strip().lower() not in ("true", "false"):
-        raise ValidationError(name, f'must be "true" or "false", got {value!r}')
-    return value.strip().lower() == "true"
-
-
-def _count(name: str, value: str) -> int:
-    try:
-        count = int(value.strip() or "0")
-    except ValueError:
-        count = -1
-    if count < 0:
-        raise ValidationError(name, f"must be an integer >= 0, got {value!r}")
-    return count
-
-
-def _engine_parameters(model_config: dict, model_dir: Path) -> dict[str, str]:
-    values = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-    for key in PATH_PARAMETERS:
-        value = values.get(key, "").strip()
-        if value and not Path(value).is_absolute():
-            values[key] = str(model_dir / value)
-    return values
-
-
-def _engine_request(request) -> tuple[list[int], SamplingParams, dict, str]:
-    """prompt ids, sampling params, request options and prompt text of a generation request, as
-    preprocessing produced them; anything else is a ValidationError naming the input."""
-    for name in ("input_ids", "sampling_params"):
-        if pb_utils.get_input_tensor_by_name(request, name) is None:
-            raise ValidationError(name, "required (or abort_request_id)")
-    prompt_ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
-    params = _json_object(request, "sampling_params")
-    if params is None:
-        raise ValidationError("sampling_params", "must be a JSON object of sampling parameters")
-    options = _json_object(request, "request_options") or {}
-    for key, value in options.items():
-        if key not in REQUEST_OPTIONS or not isinstance(value, bool):
-            raise ValidationError("request_options", f"must map some of {', '.join(REQUEST_OPTIONS)} to booleans")
-    return prompt_ids, SamplingParams.from_dict(params), options, _text(request, "prompt_text")
-
-
-def _json_object(request, name: str) -> dict | None:
-    """A JSON object input (None when absent or blank)."""
-    raw = _text(request, name)
-    if not raw.strip():
-        return None
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise ValidationError(name, "malformed JSON") from None
-    if not isinstance(value, dict):
-        raise ValidationError(name, "must be a JSON object")
-    return value
-
-
-def _traceback(error: BaseException) -> str:
-    return "".join(traceback.format_exception(error))
-
-
-def _text(request, name: str) -> str:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return ""
-    value = tensor.as_numpy().reshape(-1)
-    if value.size != 1:
-        raise ValidationError(name, f"must hold one string, got {value.size}")
-    if not isinstance(value[0], bytes):
-        return str(value[0])
-    try:
-        return value[0].decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValidationError(name, "is not valid UTF-8") from None
-
-
-def _vllm_logprobs(entry: dict) -> dict:
-    """An engine logprob entry in vllm_backend's shape: {token id: {"logprob", "rank",
-    "decoded_token"}} for the chosen token (first) and the top n (ranked 1..n)."""
-    chosen = entry["token_id"]
-    out = {str(chosen): {"logprob": entry["logprob"], "rank": entry["rank"], "decoded_token": entry["text"][chosen]}}
-    for rank, (token, lp) in enumerate(entry["top"].items(), start=1):
-        if token != chosen:
-            out[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": entry["text"][token]}
-    return out
-
-
-def _bytes_tensor(name: str, text: str):
-    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=np.object_))
-
-
-def _uint32_tensor(name: str, value: int):
-    return pb_utils.Tensor(name, np.array([value], dtype=np.uint32))
-
-
-ENGINE_FIELD_INPUTS = {"prompt_token_ids": "input_ids"}  # an engine error's field -> this model's input
-
-
-def _refuse(sender, error: Exception) -> None:
-    """End a request that was not taken: INVALID_ARG naming the field, UNAVAILABLE when the
-    engine is dead, else INTERNAL_ERROR (the detail goes to the log)."""
-    if isinstance(error, ValidationError):
-        _send_error(sender, str(error.renamed(ENGINE_FIELD_INPUTS)), pb_utils.TritonError.INVALID_ARG)
-    elif isinstance(error, EngineDeadError):
-        _send_error(sender, str(error), pb_utils.TritonError.UNAVAILABLE)
-    else:
-        pb_utils.Logger.log_error(f"llm_engine: taking a request failed: {_traceback(error)}")
-        _send_error(sender, INTERNAL_ERROR)
-
-
-def _final_error(state: RequestState, message: str):
-    """The response that ends a request taken by the engine with an error: an error response
-    (UNAVAILABLE when the engine or the server is going away, else INTERNAL), or, for a request
-    with in_band_errors, a response with finish_reason "error" and the message as `error`."""
-    if state.options.get("in_band_errors"):
-        return pb_utils.InferenceResponse(
-            output_tensors=[_bytes_tensor("finish_reason", "error"), _bytes_tensor("error", message)]
-        )
-    unavailable = message in UNAVAILABLE_ERRORS
-    return _error_response(message, pb_utils.TritonError.UNAVAILABLE if unavailable else None)
-
-
-def _error_response(message: str, code=None):
-    code = pb_utils.TritonError.INTERNAL if code is None else code
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
-
-
-def _send_error(sender, message: str, code=None) -> None:
-    sender.send(_error_response(message, code), flags=FINAL)

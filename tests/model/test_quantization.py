@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.model.model import Linear
-from backend.model.quantized_linear import Fp8Linear, Int4Linear, Int8Linear, RescoredHead, swap_linears
+from backend.model.linear_swap import RescoredHead, swap_linears
+from backend.model.quantized_linear import Fp8Linear, Int4Linear, Int8Linear
 from tests.model.test_engine_vs_hf import mixed_prompts, run_engine
 
 

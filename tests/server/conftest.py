@@ -90,11 +90,17 @@ def idle(samples: dict[str, float]) -> bool:
 
 
 def model_ready(server: Server, model: str) -> bool:
+    """Whether the model reports ready; a server too busy loading models to answer within 10 s
+    (a reload on a loaded machine) is not ready yet. A refused connection still raises."""
     try:
         with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=10) as r:
             return r.status == 200
-    except urllib.error.HTTPError:
+    except (urllib.error.HTTPError, TimeoutError):
         return False
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, TimeoutError):
+            return False
+        raise
 
 
 def wait_until_unloaded(server: Server, model: str, timeout: float = 30.0) -> None:

@@ -2,8 +2,8 @@
 included), so that none of them sits in an import circle:
 
     process   the engine core in its own process, its client, their messages
-    engine    engine.py, engine_loop.py and engine_driver.py (the step, the thread that drives it,
-              what a server drives an engine through)
+    engine    engine.py, engine_setup.py, engine_loop.py and engine_driver.py (the step, its
+              start-up stages, the thread that drives it, what a server drives an engine through)
     parallel  the ranks: handshake, wire format, workers, other nodes
     spec      speculative decoding: speculator, proposers, control
     model     the model, its loader and runner, the step inputs
@@ -18,7 +18,7 @@ from pathlib import Path
 
 BACKEND = Path(__file__).resolve().parents[2] / "backend"
 FLOORS = ["base", "core", "sample", "model", "spec", "parallel", "engine", "process"]
-ENGINE_MODULES = {"engine", "engine_loop", "engine_driver"}
+ENGINE_MODULES = {"engine", "engine_setup", "engine_loop", "engine_driver"}
 IMPORT = re.compile(r"^\s*(?:from|import) backend((?:\.\w+)*)", re.M)
 
 

@@ -1,4 +1,4 @@
-"""The launcher's lookup order and the environment it prepares (no server started)."""
+"""Finding tritonserver, and the command and environment the launcher prepares (no server started)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.launch import launcher
+from serving.launch import launcher, tritonserver_binary
 
 
 def test_tritonserver_bin_comes_first(monkeypatch, tmp_path):
@@ -16,15 +16,15 @@ def test_tritonserver_bin_comes_first(monkeypatch, tmp_path):
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
     monkeypatch.setenv("TRITONSERVER_BIN", str(binary))
-    server = launcher.find_tritonserver()
+    server = tritonserver_binary.find_tritonserver()
     assert server.binary == binary
     assert server.backend_directory is None  # the binary's own backends
 
 
 def test_tritonserver_bin_must_be_executable(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITONSERVER_BIN", str(tmp_path / "missing"))
-    with pytest.raises(launcher.LaunchError, match="TRITONSERVER_BIN"):
-        launcher.find_tritonserver()
+    with pytest.raises(tritonserver_binary.LaunchError, match="TRITONSERVER_BIN"):
+        tritonserver_binary.find_tritonserver()
 
 
 def test_path_comes_before_the_pip_copy(monkeypatch, tmp_path):
@@ -33,20 +33,20 @@ def test_path_comes_before_the_pip_copy(monkeypatch, tmp_path):
     binary.chmod(0o755)
     monkeypatch.delenv("TRITONSERVER_BIN", raising=False)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    assert launcher.find_tritonserver().binary == binary
+    assert tritonserver_binary.find_tritonserver().binary == binary
 
 
 def test_pip_copy_gets_a_backend_directory_with_the_stub(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITONSERVER_BIN", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    server = launcher.find_tritonserver()
+    server = tritonserver_binary.find_tritonserver()
     python = server.backend_directory / "python"
     for name in ("triton_python_backend_stub", "libtriton_python.so", "triton_python_backend_utils.py"):
         assert (python / name).is_file()
     assert server.library_path[0] == sysconfig.get_config_var("LIBDIR")
     assert server.library_path[1].endswith("nvidia_pytriton.libs")
-    assert launcher.find_tritonserver().backend_directory == server.backend_directory  # cached
+    assert tritonserver_binary.find_tritonserver().backend_directory == server.backend_directory  # cached
 
 
 def test_environment_puts_this_python_first(monkeypatch):
@@ -64,8 +64,8 @@ def test_python_without_shared_libpython_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(
         sysconfig, "get_config_var", lambda name: 0 if name == "Py_ENABLE_SHARED" else real(name)
     )
-    with pytest.raises(launcher.LaunchError, match="--enable-shared"):
-        launcher._shared_libpython_dir()
+    with pytest.raises(tritonserver_binary.LaunchError, match="--enable-shared"):
+        tritonserver_binary._shared_libpython_dir()
 
 
 def test_command_names_ports_and_log_level():

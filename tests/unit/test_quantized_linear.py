@@ -10,17 +10,8 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.errors import ValidationError
 from backend.model.model import Linear
-from backend.model.quantized_linear import (
-    HEAD_CANDIDATES,
-    Fp8Linear,
-    Int4Linear,
-    Int8Linear,
-    RescoredHead,
-    dense_dtype,
-    onednn_bfloat16,
-    quantize_linears,
-    swap_linears,
-)
+from backend.model.linear_swap import HEAD_CANDIDATES, RescoredHead, quantize_linears, swap_linears
+from backend.model.quantized_linear import Fp8Linear, Int4Linear, Int8Linear, dense_dtype, onednn_bfloat16
 from backend.model.tensor_parallel import RowParallelLinear
 from specserve_kernels import int4_cpu
 
