@@ -7,8 +7,10 @@ body and return `llm`'s inputs (an OpenAIError, status 400, names the parameter 
 with `strict: true` as the engine's strict JSON (compact, the schema's properties only, unless it
 says otherwise), json_object and json_schema without it as JSON Schema reads them (any
 whitespace, properties beyond the schema's where it allows them: `"x-strict": false`,
-backend/core/grammar_compiler.py). `tools` and `tool_choice` are serving/gateway/tool_calls.py's; tools
-with a response_format are a 400 (the format leaves no room for a call). What OpenAI has and this
+backend/core/grammar_compiler.py). `tools`, `tool_choice` and `tool_call_parser` are
+serving/gateway/tool_calls.py's; tools with a response_format are a 400 (the format leaves no room
+for a call). A chat with tools whose model's template takes them (serving/gateway/chat_template.py)
+is rendered here and sent as `text_input`; every other chat goes to `llm` as `messages`. What OpenAI has and this
 server does not (n > 1, best_of, logit_bias, audio, ...) is a 400 naming the parameter, as OpenAI
 does for a value it refuses.
 """

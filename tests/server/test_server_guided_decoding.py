@@ -1,7 +1,8 @@
 """Guided decoding through the interfaces users already have: vllm_backend's `guided_decoding`
 (and `structured_outputs`) sampling parameter on `llm` and `llm_bls`, TensorRT-LLM's
 `guided_decoding_guide_type` / `guided_decoding_guide` on `ensemble`, and OpenAI's
-`response_format` and `tools` with the official client on the default chat model. A constraint
+`response_format` and `tools` with the official client on the default chat model (tool calls
+themselves: test_server_tool_calls.py). A constraint
 that cannot compile is INVALID_ARG (HTTP 400) naming the field; the server serves on."""
 from __future__ import annotations
 
@@ -172,71 +173,6 @@ def _content(client, stream: bool, kwargs: dict) -> str:
         return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
                        if c.choices)
     return client.chat.completions.create(**kwargs).choices[0].message.content
-
-
-def _round_trip(client, tool_choice, stream: bool):
-    """Ask, get a call, send the tool's result back, get the answer. Returns (the call, the answer)."""
-    # one call: the small model, free to call in parallel, repeats its call until max_tokens
-    kwargs = dict(model="specserve", tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=80, temperature=0,
-                  parallel_tool_calls=False)
-    if stream:
-        chunks = list(client.chat.completions.create(messages=QUESTION, stream=True, **kwargs))
-        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-        calls: dict[int, dict] = {}
-        for chunk in chunks:
-            for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
-                call["id"] += delta.id or ""
-                call["name"] += (delta.function.name or "") if delta.function else ""
-                call["arguments"] += (delta.function.arguments or "") if delta.function else ""
-        assert finish == ["tool_calls"]
-        [call] = calls.values()
-    else:
-        reply = client.chat.completions.create(messages=QUESTION, **kwargs)
-        assert reply.choices[0].finish_reason == "tool_calls"
-        [tool_call] = reply.choices[0].message.tool_calls
-        call = {"id": tool_call.id, "name": tool_call.function.name, "arguments": tool_call.function.arguments}
-    assert call["id"].startswith("call_")
-    arguments = json.loads(call["arguments"])
-    tool = {"get_weather": WEATHER, "get_time": TIME}[call["name"]]
-    jsonschema.validate(arguments, tool["function"]["parameters"])
-    conversation = QUESTION + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
-        {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"temperature": 21, "sky": "sunny"})},
-    ]
-    answer = client.chat.completions.create(model="specserve", messages=conversation, tools=[WEATHER, TIME],
-                                            tool_choice="none", max_tokens=60, temperature=0)
-    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
-    return call, answer.choices[0].message.content
-
-
-@needs_default_model
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
-def test_openai_tool_call_round_trip(openai_client, tool_choice, stream):
-    call, answer = _round_trip(openai_client, tool_choice, stream)
-    assert call["name"] == "get_weather" and "paris" in call["arguments"].lower()
-
-
-@needs_default_model
-@pytest.mark.parametrize("stream", [False, True])
-def test_openai_tool_choice_auto(openai_client, stream):
-    """The model decides; whatever it writes, the answer is a parsed call or plain content, the
-    same streamed as whole."""
-    kwargs = dict(model="specserve", messages=QUESTION, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=80,
-                  temperature=0)
-    whole = openai_client.chat.completions.create(**kwargs).choices[0]
-    chunks = [c for c in openai_client.chat.completions.create(stream=True, **kwargs) if c.choices]
-    content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    if whole.message.tool_calls:
-        assert whole.finish_reason == "tool_calls" and chunks[-1].choices[0].finish_reason == "tool_calls"
-        assert [(d.function.name, d.function.arguments) for d in calls] == [
-            (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    else:
-        assert not calls and content == whole.message.content and whole.finish_reason in ("stop", "length")
 
 
 @needs_default_model
