@@ -116,14 +116,14 @@ class Tools:
         return [ToolCall(name, arguments) for name, arguments in reader.calls()]
 
     def read(self, text: str, final: bool, cache: dict[int, tuple[list[ToolCall], str]] | None = None,
-             ) -> tuple[str, list[ToolCall]]:
+             memo: dict[int, tuple] | None = None) -> tuple[str, list[ToolCall]]:
         """An `auto` answer's decided part (all of it when `final`): (its content: the text with
         the calls taken out, its calls). `cache` keeps each block's reading between calls on a
-        growing answer (the same ids, one log line)."""
+        growing answer (the same ids, one log line), `memo` where an open block was left."""
         cache = {} if cache is None else cache
         content: list[str] = []
         calls: list[ToolCall] = []
-        for part in self.parser.scan(text, final).parts:
+        for part in self.parser.scan(text, final, memo).parts:
             if isinstance(part, str):
                 content.append(part)
                 continue

@@ -41,20 +41,23 @@ class Block:
 class Scan:
     parts: list[str | Block] = field(default_factory=list)  # text and blocks, in order
     decided: int = 0  # text[:decided] is in parts; the rest may still become a block
+    memo: dict[int, tuple] | None = None  # json_end's, kept by the caller between scans of a growing text
 
 
 class ToolParser(Protocol):
     name: str
     markers: tuple[str, ...]  # text in a chat template that says its models write this format
 
-    def scan(self, text: str, final: bool) -> Scan: ...
+    def scan(self, text: str, final: bool, memo: dict[int, tuple] | None = None) -> Scan:
+        """`memo`: json_end's, for a text that grows between scans."""
 
 
-def json_end(text: str, start: int) -> int | None:
+def json_end(text: str, start: int, memo: dict[int, tuple] | None = None) -> int | None:
     """The end of the JSON object or array that opens at text[start], or None while it is open;
-    strings are skipped, other text is not checked (json.loads does that)."""
-    depth, in_string, escape = 0, False, False
-    for i in range(start, len(text)):
+    strings are skipped, other text is not checked (json.loads does that). `memo` keeps where an
+    open one was left, so a growing text is read once."""
+    begin, depth, in_string, escape = (memo or {}).get(start, (start, 0, False, False))
+    for i in range(begin, len(text)):
         ch = text[i]
         if in_string:
             if escape:
@@ -71,6 +74,8 @@ def json_end(text: str, start: int) -> int | None:
             depth -= 1
             if depth == 0:
                 return i + 1
+    if memo is not None:
+        memo[start] = (len(text), depth, in_string, escape)
     return None
 
 
@@ -93,7 +98,7 @@ class HermesParser:
     markers = ("<tool_call>",)
     START, END = "<tool_call>", "</tool_call>"
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def scan(self, text: str, final: bool, memo: dict[int, tuple] | None = None) -> Scan:
         scan, pos = Scan(), 0
         while (start := text.find(self.START, pos)) >= 0:
             end = text.find(self.END, start)
@@ -120,8 +125,8 @@ class OpeningJsonParser:
     opens: str  # the characters a call's JSON may begin with
     separator: str | None
 
-    def scan(self, text: str, final: bool) -> Scan:
-        scan = Scan()
+    def scan(self, text: str, final: bool, memo: dict[int, tuple] | None = None) -> Scan:
+        scan = Scan(memo=memo)
         i = _skip_space(text, 0)
         if text.startswith(self.lead, i):
             i = _skip_space(text, i + len(self.lead))
@@ -133,7 +138,7 @@ class OpeningJsonParser:
             return self._after(text, 0, final, scan)
         pos = 0
         while True:
-            end = json_end(text, i)
+            end = json_end(text, i, scan.memo)
             if end is None:  # open
                 return self._close(text, pos, final, scan)
             scan.parts.append(Block(pos, text[pos:end], text[i:end]))
@@ -195,7 +200,7 @@ class MistralParser(OpeningJsonParser):
         if i == len(text) or text[i] not in self.opens:  # a marker with no call: text
             scan.parts.append(text[start:i + 1])
             return self._after(text, i + 1, final, scan)
-        end = json_end(text, i)
+        end = json_end(text, i, scan.memo)
         if end is None:
             return self._close(text, start, final, scan)
         scan.parts.append(Block(start, text[start:end], text[i:end]))

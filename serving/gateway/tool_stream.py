@@ -25,6 +25,7 @@ class ToolStream:
         self.text = ""
         self.reader = CallArrayReader() if tools.choice == "required" else None
         self.blocks: dict[int, tuple[list[ToolCall], str]] = {}  # auto: each block's reading, by its start
+        self.memo: dict[int, tuple] = {}  # auto: where each open block's JSON was left (tool_parsers.json_end)
         self.content_sent = 0  # characters of content sent
         self.calls: list[ToolCall] = []  # calls begun
         self.arguments_sent: list[int] = []  # characters of each call's arguments sent
@@ -45,7 +46,7 @@ class ToolStream:
             calls = self.tools.forced_calls(self.text, self.reader)
             content = self.text if final and not calls else ""
         else:
-            content, calls = self.tools.read(self.text, final, self.blocks)
+            content, calls = self.tools.read(self.text, final, self.blocks, self.memo)
             if not content.strip() and not (final and not calls):
                 content = ""  # whitespace alone is sent once something follows it
         out = [{"content": content[self.content_sent:]}] if len(content) > self.content_sent else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,14 @@ from serving.launch.launcher import (
     start_server,
 )
 from serving.launch.tritonserver_binary import LaunchError
+
+
+def tokenizer_dir(repository: Path) -> Path | None:
+    """The tokenizer directory `preprocessing` uses (its config's `tokenizer`), if it is one."""
+    config = Path(repository) / "preprocessing" / "config.pbtxt"
+    found = re.search(r'key: "tokenizer", value: \{ string_value: "([^"]*)"', config.read_text()) if config.is_file() else None
+    path = Path(repository) / found.group(1) if found else None  # an absolute path stays absolute
+    return path if path is not None and (path / "tokenizer_config.json").is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 
     openai = None
     if args.openai_port:  # beside tritonserver, stopped with it; SPECSERVE_API_KEY reaches it from here
+        tokenizer = tokenizer_dir(args.model_repository)  # its chat template may render tools
         openai = subprocess.Popen([sys.executable, "-m", "serving.gateway.server", "--triton", handle.grpc_url,
-                                   "--host", args.openai_address or args.host, "--port", str(args.openai_port)],
+                                   "--host", args.openai_address or args.host, "--port", str(args.openai_port),
+                                   *(["--tokenizer", str(tokenizer)] if tokenizer else [])],
                                   cwd=REPO_ROOT, env=inherited_environment())
     gave_up = threading.Event()
     supervisor = None

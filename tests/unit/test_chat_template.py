@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from serving.gateway.chat_template import ChatTemplate
+from serving.launch.cli import tokenizer_dir
 from serving.gateway.protocol import OpenAIError, chat_inputs
 from tests.unit.test_tool_parsers import TIME, WEATHER
 
@@ -87,3 +88,28 @@ def test_a_conversation_the_template_refuses_is_a_400_naming_messages(tokenizer)
         assert error.value.param == "messages" and "roles must alternate" in str(error.value)
     finally:
         tokenizer.chat_template = AutoTokenizer.from_pretrained(TOKENIZER).chat_template
+
+
+def test_a_qwen_style_template_renders_tools_and_is_read_as_hermes(tokenizer):
+    tokenizer.chat_template = (
+        "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+        "Write <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    try:
+        template = ChatTemplate(tokenizer)
+        request = chat_inputs({"messages": QUESTION, "tools": [WEATHER]}, template)
+    finally:
+        tokenizer.chat_template = AutoTokenizer.from_pretrained(TOKENIZER).chat_template
+    assert template.takes_tools and template.parser.name == "hermes" and request.tools.parser.name == "hermes"
+    assert request.inputs["text_input"].startswith("<|im_start|>system\n<tools>" + json.dumps(WEATHER))
+
+
+def test_the_launcher_hands_the_gateway_preprocessings_tokenizer(tmp_path):
+    (tmp_path / "preprocessing").mkdir()
+    config = tmp_path / "preprocessing" / "config.pbtxt"
+    config.write_text(f'parameters [\n  {{ key: "tokenizer", value: {{ string_value: "{TOKENIZER}" }} }}\n]\n')
+    assert tokenizer_dir(tmp_path) == TOKENIZER
+    config.write_text('parameters [\n  { key: "tokenizer", value: { string_value: "missing/dir" } }\n]\n')
+    assert tokenizer_dir(tmp_path) is None
+    assert tokenizer_dir(tmp_path / "nowhere") is None

@@ -96,6 +96,9 @@ def test_json_end_skips_brackets_in_strings():
     text = '{"a": "}]", "b": [1, {"c": "\\"}"}]} tail'
     assert json_end(text, 0) == len(text) - len(" tail")
     assert json_end('{"a": [1, 2', 0) is None
+    memo: dict = {}  # a growing text read once: the same ends as reading each prefix afresh
+    assert [json_end(text[:n], 0, memo) for n in range(len(text) + 1)] == [json_end(text[:n], 0)
+                                                                          for n in range(len(text) + 1)]
 
 
 def test_a_required_answer_is_read_as_it_comes():
