@@ -3,7 +3,8 @@ default model (SmolLM2-135M-Instruct, whose template has no tools: the system-pr
 every tool_choice, streamed and whole, parallel and not, gives the same calls both ways; streamed
 calls come in OpenAI's chunk shape, a forced call's name before its arguments, the arguments in
 several fragments; a forced call cut by max_tokens is the same partial call both ways; a call's
-result goes back to the model."""
+result goes back to the model. And a template that takes tools (the tiny test model's tokenizer with
+a Llama-3-style template, through the gateway's --tokenizer) renders them end to end."""
 from __future__ import annotations
 
 import json
@@ -12,10 +13,11 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import openai_server
+from tests.server.conftest import TEST_MODEL, openai_server
 from tests.server.test_server_guided_decoding import QUESTION, TIME, WEATHER, needs_default_model
+from tests.unit.test_chat_template import LLAMA_STYLE
 
-pytestmark = [pytest.mark.server, needs_default_model]
+pytestmark = pytest.mark.server
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 CHOICES = {"auto": "auto", "required": "required", "named": NAMED}
 TOOLS = {"get_weather": WEATHER, "get_time": TIME}
@@ -62,6 +64,7 @@ def same_both_ways(client, **kwargs):
     return content, calls, finish, deltas
 
 
+@needs_default_model
 @pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("choice", CHOICES)
 def test_every_tool_choice_gives_the_same_calls_streamed_and_whole(client, choice, parallel):
@@ -80,6 +83,7 @@ def test_every_tool_choice_gives_the_same_calls_streamed_and_whole(client, choic
         assert len([d for d in deltas if d.index == 0]) > 2
 
 
+@needs_default_model
 @pytest.mark.parametrize("choice,max_tokens", [("required", 14), ("named", 6)])  # past the name, within the arguments
 def test_a_forced_call_cut_by_max_tokens_is_the_same_partial_call_both_ways(client, choice, max_tokens):
     content, [(_, name, arguments)], finish, _ = same_both_ways(
@@ -90,6 +94,7 @@ def test_a_forced_call_cut_by_max_tokens_is_the_same_partial_call_both_ways(clie
         json.loads(arguments)
 
 
+@needs_default_model
 def test_a_parser_named_by_the_request_reads_the_same_both_ways(client):
     """The default model writes no Llama 3 JSON: whatever it writes is read the same both ways."""
     same_both_ways(client, messages=QUESTION, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=60,
@@ -99,6 +104,7 @@ def test_a_parser_named_by_the_request_reads_the_same_both_ways(client):
     assert error.value.body["param"] == "tool_call_parser"
 
 
+@needs_default_model
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_a_call_and_its_result_go_back_to_the_model(client, choice, stream):
@@ -115,3 +121,23 @@ def test_a_call_and_its_result_go_back_to_the_model(client, choice, stream):
     answer, calls, finish = whole(client, messages=conversation, tools=[WEATHER, TIME], tool_choice="none",
                                   max_tokens=60, temperature=0)
     assert answer and not calls and finish in ("stop", "length")
+
+
+def test_a_template_that_takes_tools_renders_them_end_to_end(server, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TEST_MODEL)
+    tokenizer.chat_template = LLAMA_STYLE
+    tokenizer.save_pretrained(tmp_path)
+    kwargs = dict(messages=QUESTION, tools=[WEATHER, TIME], max_tokens=40, temperature=0)
+    with openai_server(server, "--tokenizer", str(tmp_path)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        for choice in ("required", "auto"):  # auto: read as Llama 3 JSON, the template's format
+            same_both_ways(client, tool_choice=choice, **kwargs)
+        _, calls, _ = whole(client, tool_choice="required", **kwargs)
+        assert calls and calls[0][1] in TOOLS
+        usage = client.chat.completions.create(model="specserve", tool_choice="required", **kwargs).usage
+    rendered = tokenizer.apply_chat_template(QUESTION, tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<s>") and "get_time" in rendered
+    # the template's prompt, its BOS once (the gateway leaves it to `llm`'s tokenizer)
+    assert usage.prompt_tokens == len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
