@@ -58,6 +58,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stops are suppressed before this many output tokens
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token + top-n
     speculative: bool = True  # per-request opt-out of speculative decoding
+    priority: int = 0  # scheduling order, vLLM's: lower first (admitted first, preempted last)
     # the output must match one constraint, vLLM's keys: {"json": schema} (a dict, or its JSON text),
     # {"regex": str}, {"choice": [str, ...]}, {"grammar": EBNF str}, {"json_object": true};
     # normalized to {kind: text}, a choice to its list, json_object to True
@@ -81,6 +82,7 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed, 0, UINT64_MAX)
         self.min_tokens = _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        self.priority = _check_int("priority", self.priority, -INT32_MAX - 1, INT32_MAX)
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, 0, 20)
         self.stop = _check_stop(self.stop)

@@ -7,6 +7,13 @@ with whatever budget, sequence slots and blocks are left (chunked prefill). A ru
 cannot get a block preempts the newest running request: its blocks are freed and it goes back to
 the head of the waiting queue to be recomputed later. Nothing is ever dropped.
 
+Priorities (`SamplingParams.priority`, vLLM's: lower first): the waiting queue is kept in priority
+order (arrival order within one priority; a preempted request goes to the head of its priority),
+a step serves requests best priority first (running before waiting within one priority, so a
+waiting request of a better priority is admitted before a worse one's prefill chunk takes the
+budget), and the victim of a preemption is the worst priority's newest request. With one priority
+for all, this is plain first-come first-served.
+
 Under pipeline parallelism several batches are in flight at once: a request in one of them
 (`busy`) is neither scheduled again nor preempted until its batch's tokens are back, and a batch
 takes at most `max_requests` of the running requests, so that they split into as many batches as
@@ -43,11 +50,14 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # oldest first; the newest is preempted first
+        self.running: list[Request] = []  # oldest first; the newest (of the worst priority) is preempted first
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queue behind every waiting request of its priority or better."""
+        priority = request.params.priority
+        index = next((i for i, r in enumerate(self.waiting) if r.params.priority > priority), len(self.waiting))
+        self.waiting.insert(index, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -57,48 +67,66 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         room = max_requests or self.max_num_seqs  # requests this batch may still take
         batch = ScheduledBatch([], [])
-
-        i = 0
-        while i < len(self.running) and budget > 0 and len(batch) < room:
-            request = self.running[i]
-            if request.length_done_once_pending_land or request.request_id in busy:
-                i += 1
-                continue
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
-                victim = next(r for r in reversed(self.running) if r.request_id not in busy)  # request at worst
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                batch.requests.append(request)
-                batch.num_scheduled_tokens.append(num_new)
-                budget -= num_new
-                i += 1
-
-        # admit waiting requests, unless this step already had to preempt
-        while (self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs
-               and len(batch) < room):
-            request = self.waiting[0]
-            if request.num_pending_tokens:  # preempted with a token still on the device: next step
+        admitting = True  # waiting requests are admitted until one cannot be, or a preemption
+        # best priority first; running before waiting within one (each list keeps its order)
+        order = sorted([(r.params.priority, 0, i, r) for i, r in enumerate(self.running)]
+                       + [(r.params.priority, 1, i, r) for i, r in enumerate(self.waiting)], key=lambda e: e[:3])
+        for _, waiting, _, request in order:
+            if budget <= 0 or len(batch) >= room:
                 break
-            if request.num_computed_tokens == 0:
-                request.num_computed_tokens = self.block_manager.match_prefix(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
-                self.block_manager.free(request)
-                request.num_computed_tokens = 0
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
-            batch.requests.append(request)
-            batch.num_scheduled_tokens.append(num_new)
-            budget -= num_new
+            if not waiting:
+                if request.status is not RequestStatus.RUNNING:  # preempted by a request before it
+                    continue
+                budget -= self._schedule_running(request, batch, busy, budget)
+            elif admitting:
+                admitted = self._admit(request, batch, budget)
+                admitting = admitted > 0
+                budget -= admitted
         return batch
+
+    def _schedule_running(self, request: Request, batch: ScheduledBatch, busy: Container[str], budget: int) -> int:
+        """Schedule a running request's tokens, preempting the worst request for blocks if need be
+        (perhaps itself); returns the tokens scheduled."""
+        if request.length_done_once_pending_land or request.request_id in busy:
+            return 0
+        num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+        while not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
+            victim = self._victim(busy)
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is request:
+                return 0
+        batch.requests.append(request)
+        batch.num_scheduled_tokens.append(num_new)
+        return num_new
+
+    def _victim(self, busy: Container[str]) -> Request:
+        """The request at worst: the worst priority's newest, not in flight."""
+        candidates = [(r.params.priority, i) for i, r in enumerate(self.running) if r.request_id not in busy]
+        return self.running[max(candidates)[1]]
+
+    def _admit(self, request: Request, batch: ScheduledBatch, budget: int) -> int:
+        """Admit a waiting request with a chunk of its prompt; returns its tokens, 0 if it cannot
+        be admitted (then no later one is this step)."""
+        if batch.preempted or len(self.running) >= self.max_num_seqs:
+            return 0
+        if request.num_pending_tokens:  # preempted with a token still on the device: next step
+            return 0
+        if request.num_computed_tokens == 0:
+            request.num_computed_tokens = self.block_manager.match_prefix(request)
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
+            self.block_manager.free(request)
+            request.num_computed_tokens = 0
+            return 0
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+        batch.requests.append(request)
+        batch.num_scheduled_tokens.append(num_new)
+        return num_new
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -107,7 +135,9 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        priority = request.params.priority  # to the head of its priority
+        index = next((i for i, r in enumerate(self.waiting) if r.params.priority >= priority), len(self.waiting))
+        self.waiting.insert(index, request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Finish or abort a request wherever it is; its blocks are freed at once."""
