@@ -5,6 +5,7 @@ The modules they share, none of them an entry point:
     harness             in-process engine runs: step timing, greedy runs, agreement, sizes
     random_checkpoints  random-weight Llama checkpoints of set shapes, and draft/target pairs
     prompts             benchmark prompts: held-out code and chat, random tokens
+    agentic_env         local environments for agent sessions: code edits, JSON tool calls, chat
     serving_load        the streaming load client a running server is measured with
     serving_metrics     what a load point reports (TTFT, TPOT, ITL, goodput under an SLO)
     serving_comparison  server variants against the baseline, as tables

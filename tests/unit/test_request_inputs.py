@@ -123,3 +123,11 @@ def test_bad_inputs_name_their_field(inputs, field):
 def test_messages_are_rendered():
     parsed = _parse(text_input=None, messages='[{"role": "user", "content": "x"}]')
     assert parsed.prompt == "<chat 1>" and parsed.from_messages
+
+
+def test_priority_comes_in_sampling_parameters_or_as_a_request_parameter():
+    assert _parse(sampling_parameters='{"priority": -3}').params.priority == -3
+    assert _parse(parameters={"priority": "2"}).params.priority == 2
+    assert _parse().params.priority == 0
+    with pytest.raises(ValidationError, match="priority: must be an integer"):
+        _parse(sampling_parameters='{"priority": 0.5}')
