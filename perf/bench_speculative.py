@@ -230,10 +230,12 @@ def main() -> None:
             rows.append((batch_size, temperature, name, statistics.median(rates[name]), statistics.median(ratios[name]),
                          min(ratios[name]), max(ratios[name]), share, a, accepted / steps + 1 if steps else 1.0, predicted, c,
                          preempted / args.repeats))
+        for row in rows[-len(labels):]:  # as each case ends: a run cut short keeps what it measured
+            tqdm.write(" | ".join(format(x, ".3g") if isinstance(x, float) else str(x) for x in row))
+        if args.costs_json is not None:  # after each case, so that a run cut short keeps what it measured
+            args.costs_json.write_text(json.dumps({label: measured_costs(engine) for label, engine in engines.items()
+                                                   if engine.speculator.proposer is not None}))
     bar.close()
-    if args.costs_json is not None:
-        args.costs_json.write_text(json.dumps({label: measured_costs(engine) for label, engine in engines.items()
-                                               if engine.speculator.proposer is not None}, indent=1))
     where = "the held-out chat requests" if args.prompts == "chat" else "prompts 64-192 tokens of held-out code"
     print(f"\n{args.target.name}, {args.max_tokens} new tokens per request, {where}, "
           f"target {args.dtype} (quantization {args.quantization}, compile_decode {args.compile_decode}, "

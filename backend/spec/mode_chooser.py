@@ -3,10 +3,13 @@
 The S(k) model of spec_control.py leaves costs out (verification bookkeeping, the drafts' catch-up,
 a compiled decode step against an eager or compiled verification), so per batch-size bucket the
 control also measures decode-only steps' tokens per second in both modes and keeps the faster,
-trying the other again now and then. A mode's rate counts a verification by its expected yield
-E(k), not the 1..k+1 tokens it happened to yield (too noisy over a few steps); steps whose drafts
-catch up on what they missed while speculation was off are charged to switching it on, not to its
-rate.
+trying the other again now and then, in bursts whose cost (their slower steps, the drafts'
+catch-up) is kept to EXPLORE_LOSS of the time. A mode's rate forgets with the bucket's steps,
+measured or not, so a burst measures the mode as it is now. In steady speculation a verification
+counts by its expected yield E(k), not the 1..k+1 tokens it happened to yield (too noisy over a few
+steps); in a probe (a burst, or speculation measured faster where the counts predicted otherwise)
+by what it yielded, since the counts it would be expected from are stale. Steps whose drafts catch
+up on what they missed while speculation was off are charged to switching it on, not to its rate.
 """
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ from dataclasses import dataclass
 MODE_MEMORY = 10  # decode-only steps a mode's measured rate remembers
 MEASURE_STEPS = 4  # steps a mode is measured in a row: at first (alternating) and in each burst
 EXPLORE_EVERY = 32  # steps before the mode that looks worse is tried again; each burst that
-# confirms the choice doubles the wait, until bursts take EXPLORE_BUDGET of the steps, and bursts
-# that make the drafts catch up take at most EXPLORE_BUDGET of the time
+# confirms the choice doubles the wait, until bursts take EXPLORE_BUDGET of the steps
 EXPLORE_BUDGET = 1 / 32
 MAX_EXPLORE_EVERY = round(MEASURE_STEPS / EXPLORE_BUDGET)  # 128
+EXPLORE_LOSS = 1 / 64  # and, whatever the step count, trying the slower mode (its slower steps, the
+# drafts' catch-up) costs at most this share of the time: a speculative step dearer than two plain
+# ones (compiled decode against an eager verification) waits longer before it is tried again
 
 
 @dataclass(slots=True)
@@ -54,8 +59,9 @@ class ModeChooser:
     tokens would bias)."""
 
     def __init__(self) -> None:
-        self.totals: dict[tuple[bool, int], list[float]] = {}  # (speculating, bucket) -> [tokens, seconds]
+        self.totals: dict[tuple[bool, int], list[float]] = {}  # (speculating, bucket) -> [tokens, seconds, steps]
         self.samples: dict[tuple[bool, int], int] = {}  # (speculating, bucket) -> steps measured
+        self.observed_at: dict[tuple[bool, int], int] = {}  # (speculating, bucket) -> the bucket's step then
         self.buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -68,7 +74,7 @@ class ModeChooser:
         return self._rate(key) if key in self.totals else None
 
     def _rate(self, key: tuple[bool, int]) -> float:
-        tokens, seconds = self.totals[key]
+        tokens, seconds, _ = self.totals[key]
         return tokens / max(seconds, 1e-9)
 
     def _warm(self, b: int) -> bool:
@@ -80,15 +86,32 @@ class ModeChooser:
         and go); None when neither can tell. Switching speculation on costs the drafts' catch-up
         on what they missed, so from plain decoding it must win by enough to earn that back
         before the next exploration burst (a tie goes to plain decoding)."""
-        state = self.buckets[b]
-        for candidate in (b, b - 1, b + 1):
-            if self._warm(candidate):
-                on, off = self._rate((True, candidate)), self._rate((False, candidate))
-                if state.speculating:
-                    return on > off
-                step_seconds = num_requests / max(off, 1e-9)  # a plain step yields a token per request
-                return on > off * (1 + state.switch_cost / (state.interval * step_seconds))
-        return None
+        state, measured = self.buckets[b], self._measured(b)
+        if measured is None:
+            return None
+        on, off = self._rate((True, measured)), self._rate((False, measured))
+        if state.speculating:
+            return on > off
+        step_seconds = num_requests / max(off, 1e-9)  # a plain step yields a token per request
+        return on > off * (1 + state.switch_cost / (state.interval * step_seconds))
+
+    def _measured(self, b: int) -> int | None:
+        """The bucket that judges bucket b: itself once both modes are measured there, else a
+        measured neighbour; None when neither is."""
+        return next((candidate for candidate in (b, b - 1, b + 1) if self._warm(candidate)), None)
+
+    def _explore_gap(self, b: int, better: bool) -> int:
+        """Steps from the last burst to the next such that trying the slower mode costs at most
+        EXPLORE_LOSS of the time: a burst's steps, each longer than the faster mode would take for
+        its tokens, and, when speculation is the one tried, the drafts' catch-up."""
+        measured = self._measured(b)
+        kept_tokens, kept_seconds, kept_steps = self.totals[(better, measured)]
+        tried_tokens, tried_seconds, tried_steps = self.totals[(not better, measured)]
+        kept_rate = kept_tokens / max(kept_seconds, 1e-9)
+        lost = MEASURE_STEPS * max(tried_seconds - tried_tokens / kept_rate, 0.0) / tried_steps
+        if not better:
+            lost += self.buckets[b].switch_cost
+        return int(lost / (EXPLORE_LOSS * kept_seconds / kept_steps))
 
     def trying(self, num_requests: int) -> bool:
         """The latest choice at this batch size speculates to measure speculation, not because it
@@ -127,12 +150,8 @@ class ModeChooser:
             n_on, n_off = self.samples.get((True, b), 0), self.samples.get((False, b), 0)
             state.trying = n_on < n_off or (n_on == n_off and state.steps % 2 == 1)
             return state.trying
-        off_rate = self.rate(False, num_requests)
-        if state.steps == state.explore_at and not better and state.switch_cost and off_rate:
-            # trying speculation again costs a catch-up: keep such bursts to EXPLORE_BUDGET of the
-            # time (a plain step takes num_requests / off_rate seconds)
-            gap = int(state.switch_cost * off_rate / (EXPLORE_BUDGET * num_requests))
-            state.explore_at = max(state.explore_at, state.last_burst + gap)
+        if state.steps == state.explore_at:  # a burst is due, unless what it would lose asks for a longer wait
+            state.explore_at = max(state.explore_at, state.last_burst + self._explore_gap(b, better))
         burst_end = state.explore_at + MEASURE_STEPS + state.burst_extension
         if state.steps == state.explore_at:
             state.preferred = better
@@ -153,8 +172,14 @@ class ModeChooser:
         key = (speculating, self.bucket(num_requests))
         if speculating and key[1] in self.buckets:
             self._settle_switch(self.buckets[key[1]])
-        decay = 1.0 - 1.0 / MODE_MEMORY
-        totals = self.totals.setdefault(key, [0.0, 0.0])
+        # a mode's rate forgets with the bucket's steps, measured or not: a burst after a long wait
+        # measures the mode as it is now, not as it was when last chosen
+        state = self.buckets.get(key[1])
+        now = state.steps if state is not None else self.observed_at.get(key, 0) + 1
+        decay = (1.0 - 1.0 / MODE_MEMORY) ** max(now - self.observed_at.get(key, now - 1), 1)
+        self.observed_at[key] = now
+        totals = self.totals.setdefault(key, [0.0, 0.0, 0.0])
         totals[0] = decay * totals[0] + num_tokens
         totals[1] = decay * totals[1] + seconds
+        totals[2] = decay * totals[2] + 1
         self.samples[key] = self.samples.get(key, 0) + 1

@@ -23,7 +23,9 @@ each further draft forward in the requests. The plan maximises the batch's token
 against R / T(R) without drafts, each k_r capped where its own predicted speedup
 E_r(k) / (1 + (T_draft(k) + T(R + k) - T(R)) / T(R)) stops rising. T is measured on the forwards
 that run: at R tokens a compiled decode step where decode is compiled, at R + k an eager or compiled
-verification, so what compiling buys plain decoding counts against speculation. k = 0 when nothing pays: then no draft work is done at all.
+verification, so what compiling buys plain decoding counts against speculation. k = 0 when
+nothing pays: then no draft work is done at all. While nothing is verified the batch's counts fade
+toward the prior, as a request's do while it sits out.
 
 Speculation on or off (`ModeChooser`, mode_chooser.py): per batch-size bucket, the measured tokens
 per second of decode-only steps with and without speculation, the faster kept. While the chooser
@@ -135,6 +137,7 @@ class SpecControl:
         self.batch_survival = Survival(max_k, BATCH_MEMORY)
         self.survival: dict[str, Survival] = {}  # request id -> its own counts, once it has verified
         self.modes = ModeChooser()
+        self.probing = False  # the last plan drafts to measure speculation (its tokens count as they come)
 
     # -- before a step ----------------------------------------------------------------------------
     def plan(self, candidates: list[Request], num_running: int) -> tuple[list[int], np.ndarray | None]:
@@ -145,9 +148,19 @@ class SpecControl:
             return [0] * len(candidates), None
         if not self.adaptive:
             return [self.max_k] * len(candidates), None
+        self.probing = False
         if not self.modes.speculate(num_running):
+            self.batch_survival.add(0, 0)  # nothing verified: what was measured grows stale, the prior returns
             return [0] * len(candidates), None
-        return self.choose_k([r.request_id for r in candidates], probe=self.modes.trying(num_running))
+        ids = [r.request_id for r in candidates]
+        self.probing = self.modes.trying(num_running)
+        ks, expected = self.choose_k(ids, probe=self.probing)
+        if not any(ks):
+            # measured faster with speculation, predicted not (its counts are stale): the measurement
+            # wins, and its steps measure speculation again
+            self.probing = True
+            ks, expected = self.choose_k(ids, probe=True)
+        return ks, expected
 
     def choose_k(self, ids: list[str], probe: bool = False) -> tuple[list[int], np.ndarray]:
         """k per request, from their expected yields (returned too) and the measured costs. A

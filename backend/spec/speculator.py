@@ -42,6 +42,7 @@ class SpecStep:
     expected: dict[str, np.ndarray] = field(default_factory=dict)  # request id -> E(0..max_k), as planned
     yield_correction: float = 0.0  # its verifications' expected minus realized yields
     catch_up_seconds: float | None = None  # its drafts caught up on what they missed: the cost of that
+    probe: bool = False  # it drafts to measure speculation: its tokens count as they came, not as expected
 
 
 class Speculator:
@@ -95,8 +96,8 @@ class Speculator:
                 self.control.observe_target_forward(*span.sizes, seconds)
             else:
                 speculating, num_requests = span.sizes
-                self.control.observe_step(bool(speculating), num_requests, num_new_tokens + step.yield_correction,
-                                          seconds, step.catch_up_seconds)
+                tokens = num_new_tokens + (0.0 if step.probe else step.yield_correction)
+                self.control.observe_step(bool(speculating), num_requests, tokens, seconds, step.catch_up_seconds)
 
     def reserve(self, running: list[Request], max_model_len: int) -> None:
         """Choose k per decoding request and reserve room for its draft tokens (the plan's expected
@@ -111,6 +112,8 @@ class Speculator:
                       if r.params.speculative and r.num_computed_tokens == r.num_tokens + r.num_pending_tokens - 1]
         budget = self.draft_budget
         ks, expected = self.control.plan(candidates, len(running))
+        if self.current is not None:
+            self.current.probe = self.control.probing
         for i, (r, k) in enumerate(zip(candidates, ks)):
             # never verify past max_tokens or the context (tokens on the device counted as landed)
             num_tokens = r.num_tokens + r.num_pending_tokens
@@ -189,7 +192,7 @@ class Speculator:
     def record(self, step: SpecStep, request: Request, k: int, num_accepted: int) -> None:
         """A verification of the step came back: k drafts, the first num_accepted kept."""
         expected = step.expected.pop(request.request_id, None)
-        if expected is not None:  # the mode chooser counts a verification by what it was expected to yield
+        if expected is not None:  # outside probes the mode chooser counts a verification by its expected yield
             step.yield_correction += expected[k] - (num_accepted + 1)
         self.control.observe_verification(request.request_id, k, num_accepted)
         request.spec.num_draft_tokens += k
