@@ -53,7 +53,7 @@ class ToolError(ValueError):
 @dataclass(slots=True)
 class ToolCall:
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text; a forced call cut by max_tokens: as far as it was written
     id: str = ""
 
     def __post_init__(self) -> None:

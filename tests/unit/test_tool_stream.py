@@ -113,3 +113,18 @@ def test_auto_whitespace_before_a_call_is_not_content():
     assert stream.feed("\n ") == [] and stream.feed('{"name": "get_time", "parameters": ') == []
     assert [d["tool_calls"][0]["index"] for d in stream.feed("{}}")] == [0, 0]  # the object closed: read
     assert stream.finish() == [] and stream.called
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_c", "[TOOL_CALLS]", "<|python_tag|>", '{"name": "get_time", ',
+             '"arguments": {}}', '"parameters": {}}', '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+             '{"name": "nope", "arguments": {}}', "{", "}", "[", "]", '"', "\\", ";", ",", " ", "\n", "Sure.", "x"]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+@settings(max_examples=200, deadline=None)
+@given(text=st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join),
+       cuts=st.lists(st.integers(0, 10_000), max_size=6), parallel=st.booleans())
+def test_any_answer_streamed_in_any_pieces_gives_the_whole_answers_message(parser, text, cuts, parallel):
+    """Answers made of the formats' own pieces (markers, braces, quotes, escapes, separators),
+    however they fall: what was decided while streaming never changes."""
+    assert_same("auto", parser, text, cuts, parallel)
