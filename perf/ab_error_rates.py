@@ -40,6 +40,7 @@ ROLLOUT_PLAN = RolloutPlan(ARMS[1], (1.0, 10.0, 50.0, 100.0), min_requests=100)
 ROLLOUTS = [("identical arms", ROLLOUT_TRAFFIC), ("20 % errors", ROLLOUT_TRAFFIC.treated(treatment_error_rate=0.2)),
             ("2x TTFT", ROLLOUT_TRAFFIC.treated(slower=2.0))]
 ROLLOUT_REQUESTS = 20000  # a rollout still holding after these is counted as not rolled back
+TABLES = ("a_a", "power", "rollouts")
 
 
 def _a_a(job: tuple[int, int]) -> tuple[int, bool]:
@@ -71,30 +72,38 @@ def main() -> None:
     p.add_argument("--rollouts", type=int, default=None, help="simulated rollouts per case (default: --runs)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS_DIR / "ab_error_rates.md"))
+    p.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES), help="which tables (default: all)")
     args = p.parse_args()
     rollouts = args.rollouts or args.runs
     started = time.perf_counter()
+    a_a, power, ramps = [], [], []
     with Pool(args.workers) as pool:
-        a_a = pool.map(_a_a, [(i, s) for i in range(len(a_a_scenarios())) for s in range(args.runs)], chunksize=4)
-        power = pool.map(_power, [(i, s) for i in range(len(POWER)) for s in range(args.runs)], chunksize=4)
-        ramps = pool.map(_rollout, [(i, s) for i in range(len(ROLLOUTS)) for s in range(rollouts)], chunksize=2)
-    lines = [f"`python -m perf.ab_error_rates --runs {args.runs} --rollouts {rollouts}` "
+        if "a_a" in args.tables:
+            a_a = pool.map(_a_a, [(i, s) for i in range(len(a_a_scenarios())) for s in range(args.runs)], chunksize=4)
+        if "power" in args.tables:
+            power = pool.map(_power, [(i, s) for i in range(len(POWER)) for s in range(args.runs)], chunksize=4)
+        if "rollouts" in args.tables:
+            ramps = pool.map(_rollout, [(i, s) for i in range(len(ROLLOUTS)) for s in range(rollouts)], chunksize=2)
+    lines = [f"`python -m perf.ab_error_rates --runs {args.runs} --rollouts {rollouts} --tables {' '.join(args.tables)}` "
              f"({time.perf_counter() - started:.0f} s); alpha 0.05, default metrics and guardrails, "
-             "a look after every request", "",
-             "| identical arms (A/A) | requests | called different (95 % CI) |", "|---|---:|---|"]
-    for i, scenario in enumerate(a_a_scenarios()):
+             "a look after every request", ""]
+    if a_a:
+        lines += ["| identical arms (A/A) | requests | called different (95 % CI) |", "|---|---:|---|"]
+    for i, scenario in enumerate(a_a_scenarios() if a_a else []):
         k = sum(bad for j, bad in a_a if j == i)
         lines.append(f"| {scenario.name} | {scenario.requests:,} | {_rate(k, args.runs)} |")
-    lines += ["", f"| effect ({POWER_BASE.name}, up to {POWER_BASE.requests:,} requests) | called worse (95 % CI) "
-                  "| treatment requests when called: median, p90 |", "|---|---|---:|"]
-    for i, (name, _) in enumerate(POWER):
+    if power:
+        lines += ["", f"| effect ({POWER_BASE.name}, up to {POWER_BASE.requests:,} requests) | called worse (95 % CI) "
+                      "| treatment requests when called: median, p90 |", "|---|---|---:|"]
+    for i, (name, _) in enumerate(POWER if power else []):
         found = [n for j, n in power if j == i and n is not None]
         spread = f"{np.median(found):,.0f}, {np.percentile(found, 90):,.0f}" if found else "-"
         lines.append(f"| {name} | {_rate(len(found), args.runs)} | {spread} |")
-    lines += ["", f"| rollout {' -> '.join(f'{s:g}' for s in ROLLOUT_PLAN.steps)} % ({ROLLOUT_TRAFFIC.name}, "
-                  f"{ROLLOUT_PLAN.min_requests} arm requests a step) | rolled back (95 % CI) | at 1 % | at 10 % | later |",
-              "|---|---|---:|---:|---:|"]
-    for i, (name, _) in enumerate(ROLLOUTS):
+    if ramps:
+        lines += ["", f"| rollout {' -> '.join(f'{s:g}' for s in ROLLOUT_PLAN.steps)} % ({ROLLOUT_TRAFFIC.name}, "
+                      f"{ROLLOUT_PLAN.min_requests} arm requests a step) | rolled back (95 % CI) | at 1 % | at 10 % "
+                      "| later |", "|---|---|---:|---:|---:|"]
+    for i, (name, _) in enumerate(ROLLOUTS if ramps else []):
         back = [percent for j, outcome, percent in ramps if j == i and outcome == "rolled back"]
         lines.append(f"| {name} | {_rate(len(back), rollouts)} | {sum(p == 1.0 for p in back)} | "
                      f"{sum(p == 10.0 for p in back)} | {sum(p > 10.0 for p in back)} |")
