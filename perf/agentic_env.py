@@ -6,7 +6,7 @@ agent loop whose every turn re-sends the whole conversation, as agents do.
 - `ToolSession`: tools described in the system prompt; the model answers with a JSON call; the
   environment runs it against a local, deterministic store and returns the JSON result; the next
   question follows.
-- `ChatSession`: one held-out chat request, one turn (plain chat, no repetition to exploit).
+- `ChatSession`: held-out chat requests in one conversation (plain chat, little repetition to exploit).
 
 Everything is deterministic given the model's answers (greedy decoding makes those reproducible).
 """
@@ -116,12 +116,21 @@ class ToolSession:
 
 
 class ChatSession:
-    def __init__(self, seed: int):
-        self.messages = chat(HELDOUT[seed % len(HELDOUT)])
+    """Held-out chat requests, one after another in one conversation (the history re-sent)."""
+
+    def __init__(self, seed: int, turns: int = 3):
+        self.questions = [HELDOUT[(seed * 7 + i) % len(HELDOUT)] for i in range(turns)]
+        self.turns, self.turn = turns, 0
+        self.messages = chat(self.questions[0])
         self.max_tokens = 64
 
     def reply(self, answer: str) -> bool:
-        return False
+        self.messages.append({"role": "assistant", "content": answer})
+        self.turn += 1
+        if self.turn >= self.turns:
+            return False
+        self.messages += chat(self.questions[self.turn])
+        return True
 
 
 WORKLOADS = {"code-edit": CodeEditSession, "tools": ToolSession, "chat": ChatSession}

@@ -6,7 +6,10 @@ repeats what it read (a file it edits, a tool result it quotes) and what it wrot
 shaped like the last), so the match with the context's last tokens often runs long, and the
 draft may too: its length is capped by the match length (a factor of it, as the paper does) and
 by k, and stops where the tree's estimate that the draft is still right falls below
-`min_token_prob`. The better-scoring tree's draft is proposed (the request's on a tie).
+`min_token_prob`. The better-scoring tree's draft is proposed (the request's on a tie), if its
+score (the tokens it is expected to keep) is at least `min_draft_score`: a verified draft token
+costs a little even where it is rejected (on a CPU, about what a token of the batch costs), and
+plain chat matches only short, uncertain runs, which would cost more than they keep.
 
 The trees see only tokens on the host: a request whose last tokens are still on the device
 (overlapped steps) gets no draft that step. Drafts are deterministic (a one-hot draft
@@ -27,6 +30,7 @@ MAX_TREE_DEPTH = 24  # longest substring the trees hold (match plus draft); vLLM
 MAX_SPEC_FACTOR = 1.0  # a match of m tokens earns a draft of at most m tokens
 MIN_TOKEN_PROB = 0.1  # stop drafting where the estimated probability falls below this
 GLOBAL_MAX_TOKENS = 1 << 14  # outputs the global tree holds, oldest out first
+MIN_DRAFT_SCORE = 1.0  # no draft expected to keep less than one token
 
 
 @dataclass(slots=True)
@@ -43,11 +47,13 @@ class SuffixProposer:
     runner = None  # a lookup: no forward, nothing to catch up on
 
     def __init__(self, max_depth: int = MAX_TREE_DEPTH, max_spec_factor: float = MAX_SPEC_FACTOR,
-                 min_token_prob: float = MIN_TOKEN_PROB, global_max_tokens: int = GLOBAL_MAX_TOKENS):
+                 min_token_prob: float = MIN_TOKEN_PROB, global_max_tokens: int = GLOBAL_MAX_TOKENS,
+                 min_draft_score: float = MIN_DRAFT_SCORE):
         self.max_depth = max_depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.global_max_tokens = global_max_tokens
+        self.min_draft_score = min_draft_score
         self.global_tree = SuffixTree(max_depth)  # over recent outputs: request id -> its output
         self.trees: dict[str, _RequestTree] = {}  # request id -> its tree, while it is not finished
         self.num_proposals = 0  # drafts proposed ...
@@ -77,6 +83,8 @@ class SuffixProposer:
             if other.score > draft.score:
                 draft = other
                 self.num_global += 1
+        if draft.score < self.min_draft_score:
+            draft = Draft()
         self.num_proposals += 1
         state.draft, state.drafted_at, state.max_drafted = draft, num_tokens, k
         return draft

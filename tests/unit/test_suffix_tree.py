@@ -100,6 +100,9 @@ def test_a_request_drafts_from_its_own_prompt_and_output():
     assert proposer.num_available(request, 16) == 0  # [50, 51, 52] occurred nowhere before
     request.output_token_ids.extend([7, 8] + [50, 51])
     assert proposer.draft(request, 3).token_ids == [52, 7]  # from its own output; 2 matched, 2 drafted
+    request.output_token_ids.extend([1, 2, 3, 4, 1, 9, 1])  # after [1]: 2 or 9, each 1 in 3
+    assert proposer.num_available(request, 4) == 0  # expected to keep less than one token
+    assert SuffixProposer(min_draft_score=0.0).draft(request, 4).token_ids == [2]
 
 
 def test_the_global_tree_drafts_what_an_earlier_request_wrote_and_stays_bounded():
