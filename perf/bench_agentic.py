@@ -9,8 +9,8 @@ environment answers at once and the session's next turn arrives.
 
 Reported per configuration: output tokens/s; TTFT and ITL per turn, p50 and p99 (ITL: a turn's
 (last token - first token) / (tokens - 1), genai-perf's); prefix-cache hits over reusable tokens
-(a turn's reusable tokens: its longest prompt prefix that an earlier prompt and answer on the
-engine held); accepted draft tokens per verification; engine CPU-seconds per million output tokens
+(a turn's reusable tokens: its longest prompt prefix that an earlier prompt, or prompt and
+answer, on the engine held); accepted draft tokens per verification; engine CPU-seconds per million output tokens
 (process CPU time spent in the engine's calls: every thread, torch's included).
 
     python -m perf.bench_agentic                              # code-edit and chat, 1 and 8 sessions
@@ -79,7 +79,7 @@ class SessionRunner:
 
     def __init__(self, engine: LLMEngine, tokenizer):
         self.engine, self.tokenizer = engine, tokenizer
-        self.seen: list[list[int]] = []  # every prompt + answer this engine has served
+        self.seen: list[list[int]] = []  # every prompt, and prompt + answer, this engine has served
 
     def reusable(self, prompt: list[int]) -> int:
         return max((common_prefix(prompt, s) for s in self.seen), default=0)
@@ -105,6 +105,7 @@ class SessionRunner:
             prompt = tok.apply_chat_template(sessions[i].messages, add_generation_prompt=True, tokenize=False)
             ids = tok(prompt, add_special_tokens=False).input_ids
             turn = Turn(i, ids, self.reusable(ids), time.perf_counter())
+            self.seen.append(ids)  # (a session beside it may reuse its prompt's blocks before it ends)
             c0 = time.process_time()
             rid = engine.add_request(ids, SamplingParams(max_tokens=sessions[i].max_tokens, temperature=0.0))
             cpu += time.process_time() - c0
