@@ -137,7 +137,7 @@ class SpecControl:
         self.batch_survival = Survival(max_k, BATCH_MEMORY)
         self.survival: dict[str, Survival] = {}  # request id -> its own counts, once it has verified
         self.modes = ModeChooser()
-        self.probing = False  # the last plan drafts to measure speculation (its tokens count as they come)
+        self.probing = False  # the last plan drafts in a burst that measures speculation (its tokens count as they came)
 
     # -- before a step ----------------------------------------------------------------------------
     def plan(self, candidates: list[Request], num_running: int) -> tuple[list[int], np.ndarray | None]:
@@ -157,8 +157,7 @@ class SpecControl:
         ks, expected = self.choose_k(ids, probe=self.probing)
         if not any(ks):
             # measured faster with speculation, predicted not (its counts are stale): the measurement
-            # wins, and its steps measure speculation again
-            self.probing = True
+            # wins, and the verifications bring the counts up to date
             ks, expected = self.choose_k(ids, probe=True)
         return ks, expected
 

@@ -1,9 +1,13 @@
 """Adaptive speculation: k from measured survival and costs (the on/off choice: test_mode_chooser.py)."""
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from backend.core.request import Request
 from backend.sampling_params import SamplingParams
+from backend.spec.mode_chooser import MAX_EXPLORE_EVERY
 from backend.spec.spec_control import REQUEST_MEMORY, LinearCost, SpecControl, Survival
 
 
@@ -167,3 +171,91 @@ def test_linear_cost_takes_a_measured_size_as_measured():
         cost.add(n, seconds)
     assert cost(3) == pytest.approx(0.078) and cost(4) == pytest.approx(0.117)
     assert cost(8) == pytest.approx(cost.t0 + 8 * cost.t1)  # unmeasured: the line
+
+
+# -- the decision on measured costs -------------------------------------------------------------
+# Forward seconds by size measured on the default model (SmolLM2-135M, int4, compile_decode and
+# compile_prefill, 2-core Xeon; docs/performance.md, "Dense copies from 16 rows": a compiled decode
+# step of one request 8.63-8.79 ms, a compiled 8-token forward 27.4-32.0 ms) and its EAGLE head (a
+# forward 1.15-1.18 ms; perf/results/default_models.md), two samples per size as the engine would
+# have fed them: a verification of 2-5 tokens is priced on the line between, as the control prices
+# a size it has not measured.
+MEASURED_COSTS = Path(__file__).resolve().parents[1] / "fixtures" / "spec_costs.json"
+
+
+def _measured_control(config: str, method: str) -> SpecControl:
+    """A control fed the recorded forwards through the interface the engine feeds it by."""
+    costs = json.loads(MEASURED_COSTS.read_text())[config][method]
+    c = SpecControl(max_k=4, free_drafts=method == "ngram adaptive")
+    for n, seconds in costs["target"].items():
+        for s in seconds:
+            c.observe_target_forward(int(n), s)
+    for n, seconds in costs["draft_first"].items():
+        for s in seconds:
+            c.observe_draft_forward(0, int(n), 1, s)
+    for n, seconds in costs["draft"].items():
+        for s in seconds:
+            c.observe_draft_forward(1, int(n), int(n), s)
+    return c
+
+
+def _decode(c: SpecControl, num: int, acceptance: float, steps: int, rng: np.random.Generator) -> tuple[str, float]:
+    """`steps` decode-only steps of `num` requests, each draft token accepted with probability
+    `acceptance` while the ones before it were; a step lasts what the control measured for its
+    forwards (the target's at its tokens, the draft's). Returns each step's largest k, as digits,
+    and the tokens per second against plain decoding's."""
+    requests = [Request(str(i), [1, 2, 3], SamplingParams()) for i in range(num)]
+    plain_seconds = c.target_cost(num)
+    plan, seconds, tokens = "", 0.0, 0.0
+    for _ in range(steps):
+        ks, expected = c.plan(requests, num)
+        # the head's first forward reads what each speculating request's last verification kept
+        catch_up = sum(expected[i][k] for i, k in enumerate(ks) if k)
+        step_seconds = c.target_cost(num + sum(ks)) + c.draft_seconds(num, max(ks), catch_up)
+        step_tokens = expected_tokens = 0.0
+        for r, k in zip(requests, ks):
+            passed = rng.random(k) < acceptance  # [k]: draft token i would be accepted
+            accepted = k if passed.all() else int(np.argmin(passed))  # up to the first rejection
+            c.observe_verification(r.request_id, k, accepted)
+            step_tokens += 1 + accepted
+            expected_tokens += expected[int(r.request_id)][k] if expected is not None and k else 1
+        # as the speculator counts a step: a probe's tokens as they came, others' as expected
+        c.observe_step(any(ks), num, step_tokens if c.probing else expected_tokens, step_seconds)
+        tokens += step_tokens
+        seconds += step_seconds
+        plan += str(max(ks))
+    return plan, tokens / seconds / (num / plain_seconds)
+
+
+def _best_predicted_speedup(c: SpecControl, num: int, acceptance: float) -> float:
+    """max over k of S(k): `num` requests' expected tokens per second with k drafts each (every
+    draft token accepted with probability `acceptance` while the ones before it were), over
+    plain decoding's, on the control's measured costs."""
+    best = 0.0
+    for k in range(1, c.max_k + 1):
+        tokens = num * sum(acceptance**i for i in range(k + 1))
+        seconds = c.target_cost(num * (1 + k)) + c.draft_seconds(num, k, tokens)
+        best = max(best, tokens / seconds / (num / c.target_cost(num)))
+    return best
+
+
+# about what the default model's EAGLE head accepts per drafted token on held-out chat at k = 3
+# (prompt lookup's 0.30 is close); a proposer that agrees 90% of the time wins
+WEAK_ACCEPTANCE, STRONG_ACCEPTANCE = 0.2, 0.9
+
+
+@pytest.mark.parametrize("method", ["eagle adaptive", "ngram adaptive"])
+def test_on_measured_compiled_steps_a_losing_method_stands_aside_and_returns_once_it_wins(method):
+    num = 1
+    c = _measured_control("int4 compiled", method)
+    # the premise, from the recorded forwards: against compiled decode the method loses at the
+    # head's acceptance, and wins at a high one
+    assert _best_predicted_speedup(c, num, WEAK_ACCEPTANCE) < 0.9
+    assert _best_predicted_speedup(c, num, STRONG_ACCEPTANCE) > 1.2
+    rng = np.random.default_rng(0)
+    weak, weak_ratio = _decode(c, num, WEAK_ACCEPTANCE, 1000, rng)
+    assert weak_ratio >= 0.97  # never more than 3% below plain decoding, probes included
+    assert weak[MAX_EXPLORE_EVERY:].count("0") >= 0.85 * len(weak[MAX_EXPLORE_EVERY:])  # off but for probes
+    _decode(c, num, STRONG_ACCEPTANCE, 2 * MAX_EXPLORE_EVERY, rng)  # acceptance rises: a probe sees it
+    strong, strong_ratio = _decode(c, num, STRONG_ACCEPTANCE, 300, rng)
+    assert strong.count("0") <= 0.05 * len(strong) and strong_ratio > 1.1
