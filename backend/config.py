@@ -2,17 +2,24 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from backend.errors import ValidationError
 
 DTYPES = ("float32", "bfloat16", "float16")
+AUTO = "auto"  # dtype, draft_dtype, quantization; compile_decode and compile_prefill: None (EngineConfig.for_device)
 SPECULATIVE_METHODS = ("none", "draft", "eagle", "ngram", "suffix")
 QUANTIZATION_MODES = ("none", "int8", "int4", "fp8")  # backend/model/quantized_linear.py
 INT4_GROUP_SIZES = (32, 64, 128)
 MAX_BATCH_WAIT_MS = 100.0
+
+
+log = logging.getLogger(__name__)
 
 
 def check_quantization(mode: str, group_size: int) -> None:
@@ -46,8 +53,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto", "torch", "cpu", "triton"
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
-    compile_decode: bool = False  # CPU: decode steps run compiled (torch.compile), compiled at start-up
-    compile_prefill: bool = False  # CPU: every other step (prefill, verification, mixed) runs compiled too
+    compile_decode: bool | None = False  # CPU: decode steps run compiled (torch.compile), compiled at start-up
+    compile_prefill: bool | None = False  # CPU: every other step (prefill, verification, mixed) runs compiled too
     # CPU, float32 layers: multiply by copies of the weights in oneDNN's layout at the row counts
     # where that measured faster at load (as many bytes again); False: torch's matmul only
     cpu_weight_copies: bool = True
@@ -74,16 +81,17 @@ class EngineConfig:
             raise ValidationError("model", f"not a directory: {self.model}")
         if self.tokenizer is None:
             self.tokenizer = self.model
-        if self.dtype not in DTYPES:
-            raise ValidationError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        check_quantization(self.quantization, self.quantization_group_size)
+        if self.dtype not in (*DTYPES, AUTO):
+            raise ValidationError("dtype", f"must be one of {(*DTYPES, AUTO)}, got {self.dtype!r}")
+        if self.quantization != AUTO:
+            check_quantization(self.quantization, self.quantization_group_size)
         if self.quantization_dense_rows < -1:
             raise ValidationError("quantization_dense_rows", f"must be -1 (never), 0 (timed at load) or a row "
                                   f"count, got {self.quantization_dense_rows}")
         if self.draft_dtype is None:
             self.draft_dtype = self.dtype
-        if self.draft_dtype not in DTYPES:
-            raise ValidationError("draft_dtype", f"must be one of {DTYPES}, got {self.draft_dtype!r}")
+        if self.draft_dtype not in (*DTYPES, AUTO):
+            raise ValidationError("draft_dtype", f"must be one of {(*DTYPES, AUTO)}, got {self.draft_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValidationError("block_size", f"must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -162,6 +170,24 @@ class EngineConfig:
                 raise ValidationError("gpu_device_ids", f"must name {world // self.nnodes} different GPUs, one per rank "
                                       f"on this node, got {self.gpu_device_ids!r}")
 
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This configuration with its "auto" values chosen for a device ("cpu", "cuda"): what
+        `make serve` ships is the fastest honest configuration of each. On a CPU: float32
+        activations, int4 weights (the default model's own GGUF weights are Q4_1, which int4
+        with groups of 32 holds exactly) and compiled decode and prefill steps where a C++
+        compiler builds them (eager steps otherwise, said in the log). On a GPU: bfloat16, no
+        quantization, CUDA graphs."""
+        cpu = device_type == "cpu"
+        dtype = ("float32" if cpu else "bfloat16") if self.dtype == AUTO else self.dtype
+        chosen = dict(dtype=dtype, draft_dtype=dtype if self.draft_dtype == AUTO else self.draft_dtype)
+        if self.quantization == AUTO:
+            chosen["quantization"] = "int4" if cpu else "none"
+        one_rank = self.tensor_parallel_size * self.pipeline_parallel_size == 1
+        for name in ("compile_decode", "compile_prefill"):
+            if getattr(self, name) is None:
+                chosen[name] = cpu and one_rank and _cxx_compiler(name) is not None
+        return replace(self, **chosen)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
@@ -181,8 +207,20 @@ class EngineConfig:
         return cls(**kwargs)
 
 
+def _cxx_compiler(parameter: str) -> str | None:
+    """The C++ compiler torch.compile's inductor would build with ($CXX, else g++ or clang++);
+    None, logged, where there is none."""
+    found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    if found is None:
+        log.warning("%s=auto: no C++ compiler (set CXX or install g++), so these steps run eagerly, "
+                    "several times slower", parameter)
+    return found
+
+
 def _parse(key: str, type_name: str, raw: str) -> Any:
     raw = raw.strip()
+    if key in ("compile_decode", "compile_prefill") and raw.lower() == AUTO:
+        return None
     if "None" in type_name and raw.lower() in ("", "none", "null"):
         return None
     try:

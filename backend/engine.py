@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,8 @@ from backend.sample.sampling_metadata import SamplingMetadata, build_sampling_me
 from backend.sampling_params import SamplingParams
 from backend.spec.speculator import SpecStep, Speculator
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class InFlightStep:
@@ -77,8 +80,10 @@ class InFlightStep:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.device = device_of_rank(config, 0)  # under tensor or pipeline parallelism, rank 0's
+        config = self.config = config.for_device(self.device.type)  # its "auto" values chosen
+        log.info("on %s: dtype=%r quantization=%r compile_decode=%s compile_prefill=%s", self.device, config.dtype,
+                 config.quantization, config.compile_decode, config.compile_prefill)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.draft_dtype = TORCH_DTYPES[config.draft_dtype]
         if config.num_threads:

@@ -16,6 +16,8 @@ backend/model/compiled_extend.py).
 from __future__ import annotations
 
 import collections
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +31,8 @@ from backend.model.compiled_extend import CompiledExtend
 from backend.model.decode_inputs import PAD_BLOCK, PAD_SLOT, DecodeInputs
 from backend.model.model import LlamaForCausalLM
 from backend.uploads import on_device
+
+log = logging.getLogger(__name__)
 
 # graph buckets: a batch runs in the smallest that holds it, padded; steps of 8, then 16, keep the
 # padding (whole rows of every matmul) under 12% from 64 requests up
@@ -198,12 +202,19 @@ class ModelRunner:
                                              "the prefill step")
 
     def _warm_up(self, compiled: CompiledDecode | CompiledExtend, parameter: str, what: str):
+        """Compile now; inductor's disk cache keeps the result for the next start of the same model."""
+        from torch._inductor.runtime.cache_dir_utils import cache_dir  # (inductor's import takes seconds)
+
+        log.info("%s: compiling %s (a few minutes on a first start; later starts read the compile cache in %s)",
+                 parameter, what, cache_dir())
+        start = time.perf_counter()
         try:
             compiled.warm_up(self.block_size)
         except Exception as e:  # inductor's errors have no common base
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValidationError(parameter, f"torch.compile could not build {what} ({reason}); "
                                   f"set {parameter} to false, or install a C++ compiler") from e
+        log.info("%s: %s compiled in %.0f s", parameter, what, time.perf_counter() - start)
         return compiled
 
     @torch.inference_mode()

@@ -60,6 +60,7 @@ from serving.triton.llm_engine_io import (
 )
 from serving.triton.request_state import RequestState
 from serving.triton.sender_lane import PendingSend, SenderLane
+from serving.triton.triton_log import forward_engine_logs
 
 # How often the sender checks requests for cancellation and refreshes the gauges. Each check is
 # a round trip to the server, so one poll checks at most CANCEL_CHECKS_PER_POLL requests, taking
@@ -83,6 +84,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 "llm_engine must be decoupled: model_transaction_policy { decoupled: true }"
             )
+        forward_engine_logs()
         config, engine_process, max_pending = engine_config(args, model_config)
         self.model_name = args["model_name"]
         self.instance_name = args.get("model_instance_name") or self.model_name

@@ -111,6 +111,9 @@ def wait_until_unloaded(server: Server, model: str, timeout: float = 30.0) -> No
     assert not model_ready(server, model)
 
 
+EAGER_FLOAT32 = {"dtype": "float32", "quantization": "none", "compile_decode": "false", "compile_prefill": "false"}
+
+
 def _repository_with_parameters(root: Path, parameters: dict[str, str], engine_config: str = "",
                                 model_dir: Path = TEST_MODEL, draft_dir: Path = TEST_DRAFT) -> Path:
     """A copy of the default model repository serving `model_dir` (and `draft_dir` where a config
@@ -118,6 +121,9 @@ def _repository_with_parameters(root: Path, parameters: dict[str, str], engine_c
     replaces llm_engine's instance_group line (instance groups, a queue policy). Another model than
     the default is served without speculation unless `parameters` ask for it."""
     repository = root / "model_repository"
+    # eager float32 unless a test asks for more: the shipped "auto" compiles at every start
+    # (test_server_compiled_decode.py serves the shipped configuration)
+    parameters = {**EAGER_FLOAT32, **parameters}
     if model_dir != DEFAULT_MODEL:  # the default config's EAGLE head is the default model's
         parameters = {"speculative_method": "none", "draft_model": "", **parameters}
     for model in ("preprocessing", "llm_engine", "llm", "llm_bls", "trtllm_preprocessing", "ensemble"):

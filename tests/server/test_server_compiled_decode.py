@@ -1,7 +1,8 @@
-"""compile_decode and compile_prefill through a real tritonserver: the engine compiles its decode
-and prefill graphs inside the python backend at load, and `llm` over it streams the same greedy
-text as `llm_eager`, an engine of the same model without them, for concurrent requests (prefills
-together, decode batches of several) and one alone."""
+"""The shipped configuration through a real tritonserver: with llm_engine's "auto" values on a CPU
+the engine loads int4 weights and compiles its decode and prefill graphs inside the python backend,
+saying so in the server's log, and `llm` over it streams the same greedy text as `llm_eager`, an
+engine of the same int4 model without compiled steps, for concurrent requests (prefills together,
+decode batches of several) and one alone."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,8 @@ PROMPTS = ["Once upon a time, a little robot", "def main():", "The capital of", 
 def compiled_server(tmp_path_factory):
     from tests.server.conftest import start_test_server
 
-    server = start_test_server(tmp_path_factory.mktemp("compiled"), "", parameters={"compile_decode": "true", "compile_prefill": "true"},
+    shipped = {"dtype": "auto", "quantization": "auto", "compile_decode": "auto", "compile_prefill": "auto"}
+    server = start_test_server(tmp_path_factory.mktemp("compiled"), "", parameters=shipped,
                                variants={"eager": {"compile_decode": "false", "compile_prefill": "false"}})
     yield server
     server.handle.stop()
@@ -35,6 +37,10 @@ def _texts(server, model: str) -> list[str]:
 
 
 def test_compiled_decode_streams_the_eager_engines_text(compiled_server):
+    log = compiled_server.handle.log_path.read_text()
+    for step in ("compile_decode: compiling the decode step", "compile_prefill: the prefill step compiled in"):
+        assert step in log
+    assert "quantization='int4'" in log and "compile_decode=True" in log
     compiled = _texts(compiled_server, "llm")
     assert all(compiled)
     assert compiled == _texts(compiled_server, "llm_eager")
