@@ -23,38 +23,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
-import tritonclient.grpc.aio as aio_grpcclient
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from client.stream import (
-    ENSEMBLE_ERROR_PREFIX,
-    INPUT_TYPES,
-    OUTPUTS,
-    STOP_INPUT,
-    grpc_inputs,
-    request_inputs,
-    stop_inputs,
-)
+from client.stream import request_inputs
 from serving.experiments.request_log import LATENCIES
-from serving.experiments.recorder import ExperimentRecorder
 from serving.experiments.metrics import VerdictConfig
-from serving.experiments.experiment import Assignment, Experiment, ExperimentError
-from serving.experiments.rollout import Rollout, RolloutPlan, load_experiment
+from serving.experiments.experiment import Experiment
+from serving.experiments.rollout import RolloutPlan, load_experiment
 from serving.launch.launcher import ADMIN_HEADER  # the operator's admin key, as tritonserver's restricted APIs take it
 from serving.launch.launcher import ADMIN_KEY_VARIABLE as ADMIN_KEY_ENV
 from serving.gateway.experiment_page import add_experiment_page
+from serving.gateway.experiment_gate import ROLLOUT_INTERVAL_S, ExperimentGate
 from serving.gateway.guard import (
     API_KEY_ENV,
     DEFAULT_MAX_BODY_BYTES,
@@ -63,230 +50,13 @@ from serving.gateway.guard import (
     GuardConfig,
     OpenAIGuard,
 )
-from serving.gateway.protocol import (
-    Accumulator,
-    GenerationRequest,
-    OpenAIError,
-    chat_inputs,
-    chat_logprobs,
-    completion_inputs,
-    completion_logprobs,
-)
+from serving.gateway.protocol import Accumulator, OpenAIError, chat_inputs, completion_inputs
 from serving.gateway.chat_template import ChatTemplate
 from serving.gateway.tool_parsers import PARSER_NAMES, PARSERS
-from serving.gateway.tool_stream import ToolStream
+from serving.gateway.reply import Reply
+from serving.gateway.triton_generation import TRITON_MODEL, TritonClient, TritonGeneration
 
-TRITON_MODEL = "llm"
 log = logging.getLogger(__name__)
-ROLLOUT_INTERVAL_S = 10.0
-STOP_WAIT_S = 2.0  # a stopped request's last response is awaited this long before the stream closes
-UNAVAILABLE = ("unavailable", "Exceeds maximum queue size", "shutting down")
-
-
-class TritonGeneration:
-    """One `llm` request over its own gRPC stream, read by a task of its own; `stop()` sends the
-    stop request on the stream and waits (STOP_WAIT_S at most) for the request to end."""
-
-    def __init__(self, client: aio_grpcclient.InferenceServerClient, inputs: dict[str, Any],
-                 constraint: str = "response_format", model: str = TRITON_MODEL):
-        self.client = client
-        self.constraint = constraint  # the parameter a guided_decoding error is about
-        self.model = model  # `llm`, or an experiment's arm with its interface
-        self.started = time.monotonic()
-        self.first_token_at: float | None = None  # when the first, and the latest, tokens came
-        self.last_token_at: float | None = None
-        self.output_tokens = 0
-        self.request_id = uuid.uuid4().hex
-        self.abort_key = str(inputs["abort_key"])  # request_inputs made a fresh one: only this server can stop it
-        self.outgoing: asyncio.Queue = asyncio.Queue()  # requests to send; None ends the stream
-        self.outgoing.put_nowait(_request(self.request_id, _tensors(inputs), model))
-        self.incoming: asyncio.Queue = asyncio.Queue()  # outputs by name, or an OpenAIError
-        self.done = asyncio.Event()  # the request's last response (or an error) has come
-        self.reader: asyncio.Task | None = None
-
-    async def _requests(self) -> AsyncIterator[dict]:
-        while (item := await self.outgoing.get()) is not None:
-            yield item
-
-    async def _read(self) -> None:
-        try:
-            async for result, error in self.client.stream_infer(self._requests()):
-                if error is not None:
-                    self.incoming.put_nowait(_triton_error(error.message()))
-                    return
-                response = result.get_response()
-                if response.id != self.request_id:
-                    continue  # the stop request's own answer
-                outputs = {name: _scalar(result.as_numpy(name)) for name in OUTPUTS}
-                if outputs.get("num_output_tokens"):
-                    self.last_token_at = time.monotonic()
-                    self.first_token_at = self.first_token_at or self.last_token_at
-                    self.output_tokens += int(outputs["num_output_tokens"])
-                flag = response.parameters.get("triton_final_response")
-                final = (flag is not None and flag.bool_param) or outputs["finish_reason"] not in (None, "", "None")
-                self.incoming.put_nowait(outputs | {"final": final})
-                if final:
-                    return
-        except Exception as e:  # the stream broke: tritonserver went away
-            self.incoming.put_nowait(OpenAIError(f"the inference server is unreachable: {e}", 503, kind="server_error"))
-        finally:
-            self.done.set()
-            self.outgoing.put_nowait(None)
-
-    async def responses(self) -> AsyncIterator[dict[str, Any]]:
-        """Each response's outputs by name (with "final"); an OpenAIError for an error response."""
-        self.reader = asyncio.create_task(self._read())
-        while True:
-            item = await self.incoming.get()
-            if isinstance(item, OpenAIError):
-                if item.param == "guided_decoding":
-                    item.param = self.constraint
-                raise item
-            yield item
-            if item["final"]:
-                return
-
-    async def stop(self) -> None:
-        """Have the server stop this request (its client went away)."""
-        if self.done.is_set():
-            return
-        self.outgoing.put_nowait(_request(f"{self.request_id}-stop", _tensors(stop_inputs(self.request_id, self.abort_key)),
-                                          self.model))
-        try:
-            await asyncio.wait_for(self.done.wait(), STOP_WAIT_S)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            if self.reader is not None:
-                self.reader.cancel()
-
-
-def _request(request_id: str, tensors: list, model: str = TRITON_MODEL) -> dict:
-    return {"model_name": model, "inputs": tensors, "request_id": request_id}
-
-
-def _tensors(values: dict[str, Any]) -> list:
-    """The gRPC inputs; a number input that is not one is a 400 naming it."""
-    for name, value in values.items():
-        datatype, dtype = (INPUT_TYPES | STOP_INPUT)[name]
-        if dtype is np.object_:
-            continue
-        if isinstance(value, (str, list, dict)) or (dtype is not np.bool_ and isinstance(value, bool)):
-            raise OpenAIError(f"{name} must be a {datatype.lower()}", param=name)
-        try:
-            np.array([value], dtype=dtype)
-        except (ValueError, TypeError, OverflowError):
-            raise OpenAIError(f"{name} must be a {datatype.lower()}", param=name) from None
-    return grpc_inputs(values)
-
-
-def _scalar(array) -> Any:
-    if array is None or array.size == 0:
-        return None
-    value = array.reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
-
-
-def _triton_error(message: str) -> OpenAIError:
-    message = message.split("] ", 1)[-1] if message.startswith("[request id") else message
-    message = ENSEMBLE_ERROR_PREFIX.sub("", message, count=1)
-    if any(marker in message for marker in UNAVAILABLE):
-        return OpenAIError(message, 503, kind="server_error")
-    field, _, rest = message.partition(": ")
-    if rest and " " not in field:  # INVALID_ARG: "<input>: <what is allowed>"
-        return OpenAIError(message, 400, param=field)
-    return OpenAIError(message, 500, kind="server_error")
-
-
-class TritonClient:
-    """tritonclient's asyncio client, made on first use: inside the server's event loop."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.client: aio_grpcclient.InferenceServerClient | None = None
-
-    def get(self) -> aio_grpcclient.InferenceServerClient:
-        if self.client is None:
-            self.client = aio_grpcclient.InferenceServerClient(self.url)
-        return self.client
-
-
-class ExperimentGate:
-    """An A/B experiment in front of the arms: which arm serves a request, what it gave the user,
-    the requests in flight on each arm (a rollout rolls back an arm that stops answering), and weight
-    changes at run time (the admin key's, compared in constant time)."""
-
-    def __init__(self, experiment: Experiment, admin_key: str | None, rollout: RolloutPlan | None = None,
-                 config: VerdictConfig | None = None, log_path: str | None = None):
-        self.recorder = ExperimentRecorder(experiment, config, log_path)  # holds the weights as they are now
-        self.admin_key = admin_key
-        self.rollout = Rollout(rollout, self.recorder) if rollout is not None else None
-        self.in_flight: dict[TritonGeneration, str] = {}  # -> the arm serving it
-
-    @property
-    def experiment(self) -> Experiment:
-        return self.recorder.experiment
-
-    def stalled_s(self, arm: str) -> float:
-        """How long the arm's longest-waiting request in flight has gone without a token."""
-        now = time.monotonic()
-        return max((now - (g.last_token_at or g.started) for g, a in self.in_flight.items()
-                    if a == arm and g.reader is not None and not g.done.is_set()), default=0.0)
-
-    async def guard_rollout(self, interval_s: float) -> None:
-        """Judge the rollout every interval_s; it moves the weights on an advance or rollback."""
-        while self.rollout is not None and not self.rollout.finished:
-            await asyncio.sleep(interval_s)
-            decision = self.rollout.evaluate(self.stalled_s(self.rollout.plan.arm))
-            if decision.action != "hold":
-                log.info("experiment %s rollout: %s to %s%% (%s): %s", self.experiment.name, decision.action,
-                         decision.percent, decision.reason, json.dumps(decision.evidence))
-
-    def report(self) -> dict:
-        report = self.recorder.report()
-        if self.rollout is not None:
-            report["rollout"] = self.rollout.to_dict()
-        return report
-
-    def key(self, request: Request, body: dict) -> str | None:
-        source = self.experiment.sticky_key
-        if source == "user":
-            key = body.get("user")
-        elif source.startswith("header:"):
-            key = request.headers.get(source.split(":", 1)[1])
-        else:
-            key = body.get(source.split(":", 1)[1])
-        return str(key) if key is not None else None
-
-    def start(self, assignment: Assignment, generation: TritonGeneration) -> None:
-        if assignment.in_experiment:
-            self.in_flight[generation] = assignment.arm.name
-
-    def record(self, assignment: Assignment, key: str | None, generation: TritonGeneration, status: str,
-               finish_reason: str | None = None) -> None:
-        """How a request ended: status ok, error, client_error (a 4xx) or cancelled; once a request."""
-        if self.in_flight.pop(generation, None) is None:
-            return  # held out, or already recorded
-        first, last, n = generation.first_token_at, generation.last_token_at, generation.output_tokens
-        self.recorder.record(assignment.arm.name, key, status, finish_reason,
-                             None if first is None else first - generation.started,
-                             (last - first) / (n - 1) if first is not None and n > 1 else None,
-                             time.monotonic() - generation.started, n)
-
-    def set_weights(self, request: Request, weights: Any) -> None:
-        given = request.headers.get(ADMIN_HEADER, "")
-        if self.admin_key is None or not hmac.compare_digest(given.encode(), self.admin_key.encode()):
-            raise OpenAIError(f"changing an experiment needs the admin key (header {ADMIN_HEADER})", 403,
-                              kind="permission_error")
-        if not isinstance(weights, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                    for v in weights.values()):
-            raise OpenAIError('the body must be {"weights": {arm: number, ...}}', param="weights")
-        if self.rollout is not None and not self.rollout.finished:
-            raise OpenAIError("a rollout sets the weights until it ends", 409, param="weights")
-        try:
-            self.recorder.set_weights(weights)
-        except ExperimentError as e:
-            raise OpenAIError(str(e), param="weights") from None
 
 
 def create_app(triton_url: str, served_model: str, guard: GuardConfig | None = None,
@@ -469,79 +239,6 @@ async def _events(request: Request, generation: TritonGeneration, reply: Reply, 
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-class Reply:
-    """The OpenAI objects of one request: whole completions, stream chunks, the usage chunk."""
-
-    def __init__(self, kind: str, model: str, request: GenerationRequest):
-        self.kind, self.model, self.request = kind, model, request
-        self.id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.tool_stream = ToolStream(request.tools) if request.tools is not None else None
-
-    def _base(self, object_name: str) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
-
-    def whole(self, gathered: Accumulator) -> dict:
-        text = "".join(gathered.text)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": gathered.finish_reason or "stop"}
-        if self.kind == "chat.completion":
-            choice["message"] = {"role": "assistant", "content": text}
-            if self.request.tools is not None:
-                content, calls = self.request.tools.parse(text)
-                if calls:
-                    choice["message"] = {"role": "assistant", "content": content,
-                                         "tool_calls": [call.openai() for call in calls]}
-                    if choice["finish_reason"] == "stop":
-                        choice["finish_reason"] = "tool_calls"
-            choice["logprobs"] = self._chat_logprobs(gathered.logprobs)
-        else:
-            prefix = self.request.echo_prompt or ""
-            choice["text"] = prefix + text
-            choice["logprobs"] = self._completion_logprobs(gathered.logprobs, len(prefix))
-        return self._base(self.kind) | {"choices": [choice], "usage": gathered.usage()}
-
-    def chunk(self, delta=None, offset: int = 0, role: bool = False) -> dict:
-        text = "" if delta is None else delta.text
-        finish = None if delta is None else delta.finish_reason
-        logprobs = [] if delta is None else delta.logprobs
-        if self.kind == "chat.completion":
-            choice = {"index": 0, "delta": {"role": "assistant", "content": ""} if role else {"content": text},
-                      "logprobs": self._chat_logprobs(logprobs) if logprobs else None, "finish_reason": finish}
-            return self._base("chat.completion.chunk") | {"choices": [choice]}
-        if role:
-            text = self.request.echo_prompt or ""
-        choice = {"index": 0, "text": text, "finish_reason": finish,
-                  "logprobs": self._completion_logprobs(logprobs, offset) if logprobs else None}
-        return self._base("text_completion") | {"choices": [choice]}
-
-    def tool_chunks(self, delta) -> list[dict]:
-        """A response's chunks when the answer may be a tool call (serving/gateway/tool_calls.py)."""
-        stream = self.tool_stream
-        deltas = stream.feed(delta.text)
-        if delta.finish_reason:
-            deltas += stream.finish()
-        chunks = [self._chat_chunk(d, None, self._chat_logprobs(delta.logprobs) if i == 0 and delta.logprobs else None)
-                  for i, d in enumerate(deltas)]
-        if delta.finish_reason:
-            finish = "tool_calls" if stream.called and delta.finish_reason == "stop" else delta.finish_reason
-            chunks.append(self._chat_chunk({}, finish, None))
-        return chunks
-
-    def _chat_chunk(self, message_delta: dict, finish: str | None, logprobs: dict | None) -> dict:
-        choice = {"index": 0, "delta": message_delta, "logprobs": logprobs, "finish_reason": finish}
-        return self._base("chat.completion.chunk") | {"choices": [choice]}
-
-    def usage_chunk(self, gathered: Accumulator) -> dict:
-        object_name = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
-        return self._base(object_name) | {"choices": [], "usage": gathered.usage()}
-
-    def _chat_logprobs(self, entries: list[dict]) -> dict | None:
-        return None if self.request.logprobs is None else chat_logprobs(entries, self.request.logprobs)
-
-    def _completion_logprobs(self, entries: list[dict], offset: int) -> dict | None:
-        return None if self.request.logprobs is None else completion_logprobs(entries, self.request.logprobs, offset)
 
 
 def main() -> None:
