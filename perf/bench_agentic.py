@@ -44,6 +44,7 @@ CONFIGS = {  # name -> engine knobs (k is set from --k, the EAGLE head's from --
     "plain": dict(speculative_method="none"),
     "ngram": dict(speculative_method="ngram", adaptive_speculation=True),
     "suffix": dict(speculative_method="suffix", adaptive_speculation=True),
+    "suffix k fixed": dict(speculative_method="suffix", adaptive_speculation=False),  # every draft the trees offer
     "eagle": dict(speculative_method="eagle", adaptive_speculation=True, draft_model=str(EAGLE_HEAD)),
 }
 
