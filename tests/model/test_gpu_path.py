@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from backend import engine as engine_module
+from backend import engine_setup
 from backend import engine_loop
 from backend.model.attention import TorchAttention, TritonAttention
 from backend.config import EngineConfig
@@ -41,8 +41,8 @@ class StaticForward:
 def graphs_on_cpu(monkeypatch):
     """Engines made in the test take the CUDA step path: the graphs CUDA would capture (each a
     StaticForward), their inputs staged and uploaded each step, the waits that costs counted."""
-    cuda_query_lens = engine_module.target_graph_query_lens  # what it answers on CUDA with Triton attention
-    monkeypatch.setattr(engine_module, "target_graph_query_lens",
+    cuda_query_lens = engine_setup.target_graph_query_lens  # what it answers on CUDA with Triton attention
+    monkeypatch.setattr(engine_setup, "target_graph_query_lens",
                         lambda config, *_: cuda_query_lens(config, torch.device("cuda", 0), TritonAttention()))
     monkeypatch.setattr(ModelRunner, "capture_graph", lambda runner, b, q, pool: (StaticForward(runner, b, q), None, None))
 
