@@ -14,7 +14,8 @@ In order, each refusal in OpenAI's error shape and closing the connection (the b
        reads. A request is in flight from its first body byte (a read: from its start) until its
        response's last, a streamed one included, so those admitted are unharmed and the memory
        held in bodies is bounded; reads take at most their own small share of the bound, so a
-       flood of them leaves the rest to generation. /health is not counted: probes need it.
+       flood of them leaves the rest to generation. /health and /v1/models are not counted: probes
+       and clients finding the model need them, and their answers are constant.
   413  a chunked body that grows past `max_body_bytes`, as soon as it does.
   400  JSON nested deeper than MAX_JSON_DEPTH: counted over the raw bytes in one linear pass, since
        json.loads recurses once per level and fails on deep input (a RecursionError: a 500).
@@ -38,7 +39,7 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 DEFAULT_MAX_CONCURRENT_READS = 8  # each a handful of milliseconds: an operator's dashboards, probes of a canary
 MAX_JSON_DEPTH = 64  # arrays and objects; an OpenAI request nests a handful deep
 OPEN_PATHS = frozenset({"/health", "/experiment"})  # asked for no key
-UNCOUNTED_PATHS = frozenset({"/health"})  # not counted against the bound
+UNCOUNTED_PATHS = frozenset({"/health", "/v1/models"})  # not counted against the bound (constant answers)
 RETRY_AFTER_S = 1
 # a string (or one left open, to the end): possessive, so each byte is looked at once
 JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"?', re.S)
