@@ -14,6 +14,18 @@ from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from serving.launch.launcher import free_port  # noqa: F401 (tests import it from here)
 
+THREADS = torch.get_num_threads()  # torch's default: every core
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """An engine built with num_threads=1 sets torch's threads for the whole process; each test
+    starts from torch's default again, so one test's choice does not slow every test after it."""
+    yield
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
+
+
 TINY_VOCAB = 256 + 3  # bytes plus <s>, </s>, <pad>
 
 

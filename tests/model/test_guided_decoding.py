@@ -64,7 +64,7 @@ QUESTIONS = ["Describe a person as JSON.", "Give me some data.", "Answer in JSON
 
 
 def engine(model: Path, **knobs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), num_threads=1, **knobs))
+    return LLMEngine(EngineConfig(model=str(model), **knobs))
 
 
 def run(eng: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple[str, list[int], str]]:
@@ -105,10 +105,10 @@ def smol():
 
 
 @needs_default_model
-def test_500_sampled_outputs_validate_against_their_schemas(smol):
-    results = run(smol, schema_requests(smol.tokenizer, 500))
-    assert_valid(results, 500)
-    assert len({text for text, _, _ in results}) > 300  # sampled, not one answer per schema
+def test_200_sampled_outputs_validate_against_their_schemas(smol):
+    results = run(smol, schema_requests(smol.tokenizer, 200))
+    assert_valid(results, 200)
+    assert len({text for text, _, _ in results}) > 120  # sampled, not one answer per schema
 
 
 @needs_default_model
@@ -116,7 +116,7 @@ def test_500_sampled_outputs_validate_against_their_schemas(smol):
                                    dict(async_scheduling=True)], ids=["speculative", "overlapped"])
 def test_sampled_outputs_validate_with_speculation_and_overlapped_steps(knobs):
     eng = engine(DEFAULT_MODEL, max_num_seqs=64, **knobs)
-    assert_valid(run(eng, schema_requests(eng.tokenizer, 120)), 120)
+    assert_valid(run(eng, schema_requests(eng.tokenizer, 60)), 60)
     if "speculative_method" in knobs:
         assert eng.stats().spec_draft_tokens_total > 0
 

@@ -62,7 +62,13 @@ class Server:
 
     def instance_metrics(self) -> dict[str, dict[str, float]]:
         """The samples of each instance (by its `model_instance` label)."""
-        text = urllib.request.urlopen(self.handle.metrics_url, timeout=10).read().decode()
+        try:
+            text = urllib.request.urlopen(self.handle.metrics_url, timeout=10).read().decode()
+        except urllib.error.URLError as e:  # say whether the server is gone, and why
+            exited = self.handle.process.poll()
+            state = "running" if exited is None else f"exited with code {exited}"
+            raise AssertionError(f"{self.handle.metrics_url}: {e}; tritonserver {state}; its log ends:\n"
+                                 f"{self.handle.log_tail()}") from e
         instances: dict[str, dict[str, float]] = {}
         for m in re.finditer(r"^(specserve_\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M):
             name, labels, value = m.groups()
@@ -157,11 +163,15 @@ def start_test_server(root: Path, fault_injection: str, parameters: dict[str, st
         shutil.copytree(model, repository / model.name, ignore=shutil.ignore_patterns("__pycache__"))
     for suffix, changed in (variants or {}).items():
         add_variant(repository, suffix, changed)
+    ports = []
+    while len(ports) < 3:  # three distinct ones (free_port cannot know which it gave before)
+        port = free_port()
+        ports += [port] if port not in ports else []
     handle = start_server(
         repository,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
+        http_port=ports[0],
+        grpc_port=ports[1],
+        metrics_port=ports[2],
         log_file=root / "tritonserver.log",
         ready_timeout=600,
         extra_env={"SPECSERVE_FAULT_INJECTION": fault_injection},
