@@ -59,7 +59,7 @@ class EngineConfig:
     # where that measured faster at load (as many bytes again); False: torch's matmul only
     cpu_weight_copies: bool = True
     # "none", "draft", "eagle" (a head on the target's hidden states), "ngram", "suffix" (suffix trees over
-    # the request's tokens and recent outputs: backend/spec/suffix_proposer.py)
+    # the request's tokens and recent outputs: backend/speculative/suffix_proposer.py)
     speculative_method: str = "none"
     draft_model: str | None = None  # directory of the draft model (method "draft") or EAGLE head ("eagle")
     draft_dtype: str | None = None  # defaults to `dtype`; on a CPU a tiny draft runs faster in float32

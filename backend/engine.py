@@ -59,7 +59,7 @@ from backend.parallel.worker_group import PipelineExecutor, TensorParallelExecut
 from backend.sample.sampler import PLACEHOLDER_TOKEN, Logprobs, Sampler
 from backend.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from backend.sampling_params import SamplingParams
-from backend.spec.speculator import SpecStep, Speculator
+from backend.speculative.speculator import SpecStep, Speculator
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from backend.model.linear_tuner import tune_cpu_linears, tune_quantized_linears,
 from backend.model.model_loader import load_draft_model, load_eagle_head
 from backend.model.model_runner import ModelRunner, kv_cache_bytes_per_block, target_graph_query_lens
 from backend.sample.sampler import Sampler
-from backend.spec.draft_proposer import DraftProposer
-from backend.spec.eagle_proposer import EagleProposer
-from backend.spec.ngram_proposer import NgramProposer
-from backend.spec.proposer import Proposer
-from backend.spec.suffix_proposer import SuffixProposer
+from backend.speculative.draft_proposer import DraftProposer
+from backend.speculative.eagle_proposer import EagleProposer
+from backend.speculative.ngram_proposer import NgramProposer
+from backend.speculative.proposer import Proposer
+from backend.speculative.suffix_proposer import SuffixProposer
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:

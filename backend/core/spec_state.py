@@ -1,7 +1,7 @@
 """A request's speculative decoding, as data: the drafts proposed for it, the draft's progress
-through it and its totals. The speculator (backend/spec/) writes it; it sits with the request so
+through it and its totals. The speculator (backend/speculative/) writes it; it sits with the request so
 that the scheduler and the step inputs can see the drafts to verify. What the speculation control
-learns about a request (its acceptance counts) is the control's (backend/spec/spec_control.py)."""
+learns about a request (its acceptance counts) is the control's (backend/speculative/spec_control.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

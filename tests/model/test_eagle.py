@@ -1,4 +1,4 @@
-"""EAGLE heads (backend/model/eagle.py, backend/spec/eagle_proposer.py): the head's logits equal its
+"""EAGLE heads (backend/model/eagle.py, backend/speculative/eagle_proposer.py): the head's logits equal its
 definition computed with HF transformers' own Llama layer on HF's hidden states (fused features from
 several target layers too); speculation with a head stays greedy-identical to plain decoding
 (preemption, a reduced vocabulary, tensor parallelism, fused features) and samples the target's

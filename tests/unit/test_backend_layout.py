@@ -1,15 +1,15 @@
 """backend/ is a stack of sub-packages, each importing only those below it (type-only imports
 included), so that none of them sits in an import circle:
 
-    process   the engine core in its own process, its client, their messages
-    engine    engine.py, engine_setup.py, engine_loop.py and engine_driver.py (the step, its
-              start-up stages, the thread that drives it, what a server drives an engine through)
-    parallel  the ranks: handshake, wire format, workers, other nodes
-    spec      speculative decoding: speculator, proposers, control
-    model     the model, its loader and runner, the step inputs
-    sample    sampling and verification on the device
-    core      requests, scheduler, KV blocks, output processing
-    base      backend/*.py: config, errors, parameters, device and host-transfer helpers
+    process      the engine core in its own process, its client, their messages
+    engine       engine.py, engine_setup.py, engine_loop.py and engine_driver.py (the step, its
+                 start-up stages, the thread that drives it, what a server drives an engine through)
+    parallel     the ranks: handshake, wire format, workers, other nodes
+    speculative  speculative decoding: speculator, proposers, control
+    model        the model, its loader and runner, the step inputs
+    sample       sampling and verification on the device
+    core         requests, scheduler, KV blocks, output processing
+    base         backend/*.py: config, errors, parameters, device and host-transfer helpers
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 BACKEND = Path(__file__).resolve().parents[2] / "backend"
-FLOORS = ["base", "core", "sample", "model", "spec", "parallel", "engine", "process"]
+FLOORS = ["base", "core", "sample", "model", "speculative", "parallel", "engine", "process"]
 ENGINE_MODULES = {"engine", "engine_setup", "engine_loop", "engine_driver"}
 IMPORT = re.compile(r"^\s*(?:from|import) backend((?:\.\w+)*)", re.M)
 

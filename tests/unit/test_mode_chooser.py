@@ -1,7 +1,7 @@
-"""The measured on/off choice of speculation, per batch-size bucket (backend/spec/mode_chooser.py)."""
+"""The measured on/off choice of speculation, per batch-size bucket (backend/speculative/mode_chooser.py)."""
 import pytest
 
-from backend.spec.mode_chooser import EXPLORE_EVERY, EXPLORE_LOSS, MAX_EXPLORE_EVERY, MEASURE_STEPS, ModeChooser
+from backend.speculative.mode_chooser import EXPLORE_EVERY, EXPLORE_LOSS, MAX_EXPLORE_EVERY, MEASURE_STEPS, ModeChooser
 
 
 def _choices(m: ModeChooser, steps: int, observe=None) -> str:

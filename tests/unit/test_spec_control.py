@@ -7,8 +7,8 @@ import pytest
 
 from backend.core.request import Request
 from backend.sampling_params import SamplingParams
-from backend.spec.mode_chooser import MAX_EXPLORE_EVERY
-from backend.spec.spec_control import REQUEST_MEMORY, LinearCost, SpecControl, Survival
+from backend.speculative.mode_chooser import MAX_EXPLORE_EVERY
+from backend.speculative.spec_control import REQUEST_MEMORY, LinearCost, SpecControl, Survival
 
 
 def _own_survival(c: SpecControl, rid: str) -> Survival:
@@ -145,8 +145,8 @@ def test_speculator_counts_a_verification_by_its_expected_yield():
     happened to yield: the correction is E(k) - (accepted + 1) per verification."""
     import torch
 
-    from backend.spec.ngram_proposer import NgramProposer
-    from backend.spec.speculator import Speculator
+    from backend.speculative.ngram_proposer import NgramProposer
+    from backend.speculative.speculator import Speculator
 
     spec = Speculator(NgramProposer(), max_k=4, adaptive=True, device=torch.device("cpu"), draft_budget=64)
     r = Request("r", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams())  # repeats: the lookup proposes

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from backend.core.request import Request, RequestStatus
 from backend.sampling_params import SamplingParams
-from backend.spec.suffix_proposer import SuffixProposer
-from backend.spec.suffix_tree import SuffixTree
+from backend.speculative.suffix_proposer import SuffixProposer
+from backend.speculative.suffix_tree import SuffixTree
 
 
 def occurrences(sequences: list[list[int]], pattern: list[int]) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from backend.core.request import Request
 from backend.core.spec_state import Proposal
 from backend.model.step_inputs import PendingTokens
-from backend.spec.suffix_tree import Draft, SuffixTree
+from backend.speculative.suffix_tree import Draft, SuffixTree
 from backend.step_timer import StepTimer
 
 MAX_TREE_DEPTH = 24  # longest substring the trees hold (match plus draft); vLLM's default

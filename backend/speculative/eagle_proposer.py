@@ -21,7 +21,7 @@ import torch
 from backend.core.request import Request
 from backend.core.spec_state import Proposal
 from backend.model.model_runner import StepInput
-from backend.spec.draft_proposer import DraftProposer
+from backend.speculative.draft_proposer import DraftProposer
 from backend.step_timer import StepTimer
 
 

@@ -42,7 +42,7 @@ from collections.abc import Container
 import numpy as np
 
 from backend.core.request import Request
-from backend.spec.mode_chooser import ModeChooser
+from backend.speculative.mode_chooser import ModeChooser
 
 ACCEPTANCE_PRIOR = 0.7  # survival s_i = 0.7^i before anything is measured ...
 PRIOR_WEIGHT = 4.0  # ... worth this many verifications; a request's curve counts the batch's as many

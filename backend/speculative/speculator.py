@@ -29,8 +29,8 @@ import torch
 from backend.core.request import Request
 from backend.core.scheduler import ScheduledBatch
 from backend.model.step_inputs import PendingTokens
-from backend.spec.proposer import Proposer
-from backend.spec.spec_control import SpecControl
+from backend.speculative.proposer import Proposer
+from backend.speculative.spec_control import SpecControl
 from backend.step_timer import Mark, StepTimer
 
 
