@@ -30,7 +30,7 @@ from client.ab_report import fetch, plot, table
 from perf import RESULTS_DIR
 from perf.serving_load import wait_for
 from scripts.chat_prompts import HELDOUT
-from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, free_ports, start_server
 from serving.launch.repository_variants import add_variant, make_repository
 
 EXPERIMENT = {"name": "ngram-speculation", "sticky_key": "user",
@@ -83,7 +83,8 @@ def main() -> None:
         add_variant(repository, "ngram", {"speculative_method": "ngram", "adaptive_speculation": "true"})
         experiment_file = Path(tmp) / "experiment.json"
         experiment_file.write_text(json.dumps(EXPERIMENT))
-        handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+        http_port, grpc_port, metrics_port = free_ports(3)
+        handle = start_server(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                               log_file=Path(tmp) / "tritonserver.log", log_level="warning", ready_timeout=900)
         port = free_port()
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ import tritonclient.grpc as grpcclient
 
 from client.stream import INPUT_TYPES, complete, new_abort_key, stop_inputs
 from perf.serving_load import load_prompts
-from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_ports, start_server
 from serving.launch.repository_variants import make_repository
 
 PROMPT_TOKENS, FIRST_TOKENS, POLL_S = 32, 3, 0.01
@@ -51,7 +51,8 @@ def start(count: int, workdir: Path):
     text, n = re.subn(r"^instance_group \[.*\]$", group, config.read_text(), flags=re.M)
     assert n == 1, f"no one-line instance_group in {config}"
     config.write_text(text)
-    return start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    http_port, grpc_port, metrics_port = free_ports(3)
+    return start_server(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                         log_file=workdir / f"count{count}.log", log_level="warning", ready_timeout=600)
 
 

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_ports, start_server
 from serving.triton.request_builder import Preprocessor
 from client.stream import GenerationError, complete
 
@@ -66,9 +66,10 @@ def main() -> None:
     url = args.url
     if url is None:
         log = Path(tempfile.mkdtemp()) / "tritonserver.log"
+        http_port, grpc_port, metrics_port = free_ports(3)
         handle = start_server(
-            DEFAULT_MODEL_REPOSITORY, http_port=free_port(), grpc_port=free_port(),
-            metrics_port=free_port(), log_file=log,
+            DEFAULT_MODEL_REPOSITORY, http_port=http_port, grpc_port=grpc_port,
+            metrics_port=metrics_port, log_file=log,
         )
         url = handle.grpc_url
     try:

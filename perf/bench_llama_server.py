@@ -33,7 +33,7 @@ from pathlib import Path
 
 from perf.serving_load import wait_for
 from scripts.convert_default_model import find_gguf
-from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, free_ports, start_server
 from serving.launch.repository_variants import make_repository
 
 PROMPTS = [
@@ -143,7 +143,8 @@ def run_specserve(args, quantization: str, threads: int, flags: list[str], workd
             overrides["llm_engine"].update(VARIANT_FLAGS[flag])
     name = "_".join([quantization, str(threads), *flags])
     repository = make_repository(DEFAULT_MODEL_REPOSITORY, workdir / name, overrides)
-    handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    http_port, grpc_port, metrics_port = free_ports(3)
+    handle = start_server(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                           log_file=workdir / f"{name}.log", log_level="warning", ready_timeout=600)
     port = free_port()
     api = subprocess.Popen([sys.executable, "-m", "serving.gateway.server", "--triton", handle.grpc_url,

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from client.stream import generate
-from serving.launch.launcher import free_port, start_server
+from serving.launch.launcher import free_port, free_ports, start_server
 
 PROMPT = "def parse_arguments(argv):"
 
@@ -54,7 +54,8 @@ def main() -> None:
     args = p.parse_args()
     import openai
 
-    handle = start_server(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    http_port, grpc_port, metrics_port = free_ports(3)
+    handle = start_server(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                           log_file=Path("/dev/null"), log_level="warning", ready_timeout=600)
     port = free_port()
     api = subprocess.Popen([sys.executable, "-m", "serving.gateway.server", "--triton", handle.grpc_url,

@@ -27,7 +27,7 @@ import numpy as np
 
 from perf import RESULTS_DIR
 from perf.serving_load import StreamingClient, Workload, load_prompts
-from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_ports, start_server
 from serving.launch.repository_variants import make_repository
 
 TWO_INSTANCES = "instance_group [ { count: 2, kind: KIND_CPU } ]"
@@ -76,7 +76,8 @@ def measure(name: str, max_pending: int, args, requests, workdir: Path) -> dict:
     config.write_text(config.read_text().replace("instance_group [ { count: 1, kind: KIND_MODEL } ]", TWO_INSTANCES))
     log = RESULTS_DIR / f"bench_routing_{name}.tritonserver.log"
     log.unlink(missing_ok=True)
-    handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    http_port, grpc_port, metrics_port = free_ports(3)
+    handle = start_server(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                           log_file=log, log_level="warning", ready_timeout=600)
     try:
         started = time.perf_counter()

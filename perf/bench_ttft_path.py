@@ -38,7 +38,7 @@ from backend.engine_loop import EngineLoop
 from client.stream import generate
 from perf.serving_load import wait_for
 from serving.triton.engine_stream import EngineStream
-from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, free_ports, start_server
 from serving.triton.request_builder import Preprocessor
 from serving.launch.repository_variants import make_repository
 
@@ -144,7 +144,8 @@ def main() -> None:
                                 "ignore_eos": np.array([True]), "stream": np.array([True]),
                                 "temperature": np.array([0.0], dtype=np.float32)})
         inputs = request.engine_inputs()
-        handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+        http_port, grpc_port, metrics_port = free_ports(3)
+        handle = start_server(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                               log_file=Path(tmp) / "server.log", log_level="warning", ready_timeout=600)
         port = free_port()
         api = subprocess.Popen([sys.executable, "-m", "serving.gateway.server", "--triton", handle.grpc_url,

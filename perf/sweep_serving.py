@@ -38,7 +38,7 @@ from perf import BASELINE_REPOSITORY, REPO_ROOT, RESULTS_DIR
 from perf.serving_comparison import BASELINE, compare, markdown_table, points_table
 from perf.serving_load import add_load_arguments, load_prompts, requests_for, run_benchmark
 from perf.serving_plots import plot_all
-from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_port, start_server
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, free_ports, start_server
 from serving.launch.repository_variants import make_repository
 
 VARIANTS = {  # name -> (source repository, model to benchmark, {model: {parameter: value}})
@@ -62,8 +62,9 @@ def serve_and_measure(name: str, args, prompts: list[str], workdir: Path) -> tup
     log = args.out.parent / f"{args.out.stem}_{name.replace('+', '_')}.tritonserver.log"
     log.unlink(missing_ok=True)
     started = time.perf_counter()
-    handle = start_server(repository, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), log_file=log, log_level="warning", ready_timeout=600)
+    http_port, grpc_port, metrics_port = free_ports(3)
+    handle = start_server(repository, http_port=http_port, grpc_port=grpc_port,
+                          metrics_port=metrics_port, log_file=log, log_level="warning", ready_timeout=600)
     try:
         print(f"{name}: ready in {time.perf_counter() - started:.0f} s ({handle.grpc_url}, log {log})", flush=True)
         points = run_benchmark(args, handle.grpc_url, model, prompts, label=f"{name}: ")

@@ -212,6 +212,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise LaunchError(f"no free port between {first} and {low}")
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports (free_port alone may give the same one twice: nothing binds it
+    between calls), e.g. a server's HTTP, gRPC and metrics ports."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def _reachable(address: str) -> str:
     """The address to connect to an endpoint bound to `address` from this host."""
     return "127.0.0.1" if address in ANY_ADDRESS else address

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, start_server
+from serving.launch.launcher import DEFAULT_MODEL_REPOSITORY, ServerHandle, free_ports, start_server
 from serving.launch.repository_variants import add_variant
 from tests.conftest import free_port
 
@@ -163,15 +163,12 @@ def start_test_server(root: Path, fault_injection: str, parameters: dict[str, st
         shutil.copytree(model, repository / model.name, ignore=shutil.ignore_patterns("__pycache__"))
     for suffix, changed in (variants or {}).items():
         add_variant(repository, suffix, changed)
-    ports = []
-    while len(ports) < 3:  # three distinct ones (free_port cannot know which it gave before)
-        port = free_port()
-        ports += [port] if port not in ports else []
+    http_port, grpc_port, metrics_port = free_ports(3)
     handle = start_server(
         repository,
-        http_port=ports[0],
-        grpc_port=ports[1],
-        metrics_port=ports[2],
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
         log_file=root / "tritonserver.log",
         ready_timeout=600,
         extra_env={"SPECSERVE_FAULT_INJECTION": fault_injection},

@@ -12,7 +12,7 @@ import pytest
 from perf import BASELINE_REPOSITORY
 from perf.serving_load import Workload, run_point
 from perf.serving_metrics import SLO
-from serving.launch.launcher import free_port, start_server
+from serving.launch.launcher import free_ports, start_server
 from serving.launch.repository_variants import make_repository
 
 pytestmark = pytest.mark.server
@@ -62,7 +62,8 @@ def test_bench_serving_writes_json_and_plots(server, tmp_path):
 def test_baseline_serves_the_benchmark_in_one_response(server, tmp_path):
     repository = make_repository(BASELINE_REPOSITORY, tmp_path / "baseline",
                                  {"hf_generate": {"model": str(server.model_dir), "num_threads": "1"}})
-    handle = start_server(repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    http_port, grpc_port, metrics_port = free_ports(3)
+    handle = start_server(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                           log_file=tmp_path / "tritonserver.log", ready_timeout=300)
     try:
         workload = Workload(["def f(x):", "import os", "class A:", "x = ["], OUTPUT_TOKENS)

@@ -120,11 +120,11 @@ def test_the_launcher_shuts_down_on_repeated_ctrl_c(tmp_path):
     then Ctrl-C three times in a row. It stops tritonserver and exits, and nothing it started is
     left. (Its signal handler takes no lock: a signal that arrives while another is handled
     would otherwise deadlock it, which a test cannot time reliably.)"""
-    from tests.conftest import free_port
+    from serving.launch.launcher import free_ports
     from tests.server.conftest import _repository_with_parameters
 
     repository = _repository_with_parameters(tmp_path, {})
-    ports = [str(free_port()) for _ in range(4)]
+    ports = [str(port) for port in free_ports(4)]
     launcher = subprocess.Popen(
         [sys.executable, "-m", "serving.launch", "--model-repository", str(repository), "--http-port", ports[0],
          "--grpc-port", ports[1], "--metrics-port", ports[2], "--openai-port", ports[3], "--log-level", "warning"],

@@ -99,6 +99,14 @@ def test_test_only_faults_and_the_admin_key_are_not_inherited(monkeypatch):
     assert "SPECSERVE_FAULT_INJECTION" not in env and "SPECSERVE_ADMIN_KEY" not in env
 
 
+def test_free_ports_are_distinct_when_free_port_repeats_itself(monkeypatch):
+    """free_port knows nothing of the ports it gave before (none is bound until the server starts),
+    so a server's three ports are taken together."""
+    given = iter([5001, 5001, 5002, 5001, 5003])
+    monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(given))
+    assert launcher.free_ports(3) == [5001, 5002, 5003]
+
+
 def test_free_ports_are_below_the_ephemeral_range_and_free():
     """An outgoing connection takes its local port from the ephemeral range; a server's port from
     there could be taken before the server binds it."""
