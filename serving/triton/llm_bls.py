@@ -35,6 +35,7 @@ from serving.triton.abort_channel import ENGINE_MODEL, abort_everywhere
 from serving.triton.engine_stream import EngineStream, Interrupted, StreamError, engine_grpc_url
 from serving.triton.request_builder import Preprocessor, text_tensor
 from serving.triton.request_inputs import triton_parameters
+from serving.triton.startup_heap import freeze_startup_heap
 
 # How often each request is checked for cancellation (a round trip to the server each).
 POLL_INTERVAL_S = 0.05
@@ -84,6 +85,7 @@ class TritonPythonModel:
             f"llm: tokenizer {self.preprocessor.tokenizer_dir}, "
             f"max_model_len {self.preprocessor.max_model_len}, forwarding to {ENGINE_MODEL} at {self.engine_url}"
         )
+        freeze_startup_heap()
 
     # -- Triton's thread: hand off, never block ---------------------------------------------------
     def execute(self, requests):

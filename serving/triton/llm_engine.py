@@ -60,6 +60,7 @@ from serving.triton.llm_engine_io import (
 )
 from serving.triton.request_state import RequestState
 from serving.triton.sender_lane import PendingSend, SenderLane
+from serving.triton.startup_heap import freeze_startup_heap
 from serving.triton.triton_log import forward_engine_logs
 
 # How often the sender checks requests for cancellation and refreshes the gauges. Each check is
@@ -127,6 +128,7 @@ class TritonPythonModel:
             f"llm_engine: ready, max_model_len {self.loop.max_model_len}, "
             f"{self.loop.stats().num_total_blocks} KV blocks"
         )
+        freeze_startup_heap()
 
     # -- Triton's thread: hand off, then wait only for room (max_pending_requests) ----------------
     def execute(self, requests):

@@ -25,6 +25,7 @@ from serving.triton.abort_key import checked_abort_key, require_stop_key
 from serving.triton import trtllm_inputs
 from serving.triton.request_builder import Preprocessor, text_tensor
 from serving.triton.request_inputs import scalar_text, triton_parameters
+from serving.triton.startup_heap import freeze_startup_heap
 
 # llm_engine's inputs for a stop request that this model has delivered already
 DELIVERED_ABORT = {
@@ -48,6 +49,7 @@ class TritonPythonModel:
             f"preprocessing: tokenizer {self.preprocessor.tokenizer_dir}, "
             f"max_model_len {self.preprocessor.max_model_len}"
         )
+        freeze_startup_heap()
 
     def execute(self, requests):
         responses = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 from jinja2 import TemplateError
-from transformers import AutoTokenizer
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from backend.errors import ValidationError
 from backend.sampling_params import SamplingParams
@@ -43,8 +43,7 @@ class PreprocessedRequest:
 class Preprocessor:
     def __init__(self, tokenizer_dir: Path, max_model_len: int):
         self.tokenizer_dir = _local_dir(tokenizer_dir)
-        # local only: a name that is not a directory here must never become a hub download
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True)
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
         self.max_model_len = max_model_len
         # no prompt longer than this can fit the context: it is refused before tokenizing
         self.max_prompt_bytes = max_model_len * _longest_token_bytes(self.tokenizer)
@@ -88,12 +87,32 @@ class Preprocessor:
             raise ValidationError("messages", f"the chat template refused them: {str(e)[:200]}") from None
 
 
+# the classes AutoTokenizer gives for a tokenizer.json alone: both names are TokenizersBackend
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(directory: Path):
+    """The tokenizer AutoTokenizer would load from `directory` (local only: a name that is not a
+    directory here must never become a hub download). Where that is the generic Rust-backed class,
+    it is built directly: AutoTokenizer imports torch to find it, which costs every preprocessing
+    and llm process seconds of CPU at start-up and hundreds of MB for as long as it runs."""
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    if (directory / "tokenizer.json").exists() and config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+        return TokenizersBackend.from_pretrained(directory, local_files_only=True)
+    from transformers import AutoTokenizer  # a model-specific class
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
 def _longest_token_bytes(tokenizer) -> int:
     """An upper bound on the UTF-8 bytes of prompt text one token stands for: the longest token,
     decoded or as written in the vocabulary (a byte-level "Ġ" is 2 bytes for 1, a lone byte
     decodes to 3 bytes of U+FFFD), whichever is longer."""
     ids = list(range(len(tokenizer)))
-    decoded = tokenizer.batch_decode([[i] for i in ids])
+    # the Rust tokenizer's own batch, ten times faster than transformers' batch_decode (which may
+    # also clean up spaces: its strings are never longer, so the bound holds)
+    decoded = tokenizer.backend_tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
     written = tokenizer.convert_ids_to_tokens(ids)
     return max(max(len(d.encode("utf-8")), len((w or "").encode("utf-8"))) for d, w in zip(decoded, written))
 
