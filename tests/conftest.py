@@ -10,11 +10,18 @@ if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from serving.launch.launcher import free_port  # noqa: F401 (tests import it from here)
 
 THREADS = torch.get_num_threads()  # torch's default: every core
+
+# property tests draw the same examples on every run, so a run's verdict depends on the code alone;
+# `pytest --hypothesis-profile=explore` draws new ones (and a failure found that way becomes an @example)
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("repeatable")
 
 
 @pytest.fixture(autouse=True)

@@ -38,7 +38,7 @@ from typing import Any
 
 import xgrammar
 
-from backend.core.json_schema import prepare
+from backend.core.json_schema import STRICT_KEY, prepare
 from backend.core.json_schema_limits import SchemaLimits, check_repetitions
 from backend.core.json_schema_order import in_schema_order
 from backend.errors import ValidationError
@@ -46,7 +46,6 @@ from backend.errors import ValidationError
 CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
 COMPILE_TIMEOUT_S = 5.0  # a constraint that takes longer to compile is refused
 MAX_WHITESPACE = 24  # whitespace characters in a row where JSON's whitespace is free
-STRICT_KEY = "x-strict"  # at a `json` schema's root: false reads it as JSON Schema does (above)
 
 
 class GrammarCompiler:

@@ -51,6 +51,7 @@ from backend.core.json_schema_merge import (ARRAY_KEYWORDS, FIELD, NUMBER_KEYWOR
 from backend.core.json_schema_patterns import FORMAT_PATTERNS, FORMATS, UNSUPPORTED_REGEX, search_as_match
 from backend.errors import ValidationError
 
+STRICT_KEY = "x-strict"  # at a `json` schema's root: false reads it as JSON Schema does (grammar_compiler.py)
 ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly", "$schema",
     "$anchor", "$vocabulary", "contentEncoding", "contentMediaType", "contentSchema", "$id",

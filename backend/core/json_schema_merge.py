@@ -82,7 +82,7 @@ def _merge_keyword(key: str, mine: Any, theirs: Any, a: dict, b: dict, path: str
 
 
 def _merge_types(mine: Any, theirs: Any, path: str) -> Any:
-    both = _type_set(mine) & _type_set(theirs)
+    both = _type_set(mine, path) & _type_set(theirs, path)
     if not both:
         raise ValidationError(FIELD, f"allOf: the parts' types {mine!r} and {theirs!r} do not overlap: no output "
                                      f"matches (at {path})")
@@ -90,9 +90,11 @@ def _merge_types(mine: Any, theirs: Any, path: str) -> Any:
     return names[0] if len(names) == 1 else names
 
 
-def _type_set(names: Any) -> frozenset[str]:
+def _type_set(names: Any, path: str = "#") -> frozenset[str]:
     """The types `type` names, "number" as integers and other numbers."""
     names = [names] if isinstance(names, str) else _list(names)
+    if not all(isinstance(t, str) for t in names):  # allOf merges its parts before they are checked
+        raise ValidationError(FIELD, f"type must be a type name or a list of them, got {names!r} (at {path})")
     return frozenset(n for t in names for n in (("integer", "number") if t == "number" else (t,)))
 
 

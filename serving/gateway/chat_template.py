@@ -16,6 +16,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from serving.gateway.tool_parsers import ToolParser, parser_for_template
+from serving.triton.request_builder import load_tokenizer
 
 PROBE_TOOL = {"type": "function", "function": {
     "name": "specserve_probe_tool", "description": "probe",
@@ -40,6 +41,10 @@ class ChatTemplate:
 
     @classmethod
     def load(cls, path: str | Path) -> ChatTemplate:
+        """A local directory's tokenizer as the preprocessing model loads it (without torch where
+        that is the same tokenizer); anything else by name, as transformers finds it."""
+        if Path(path).is_dir():
+            return cls(load_tokenizer(Path(path)))
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(str(path)))

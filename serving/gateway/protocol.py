@@ -21,8 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.core.grammar_compiler import STRICT_KEY
-from backend.core.json_schema import prepare
+from backend.core.json_schema import STRICT_KEY, prepare
 from backend.errors import ValidationError
 from serving.gateway.chat_template import ChatTemplate, ChatTemplateError, needs_template
 from serving.gateway.tool_calls import ToolError, Tools, read_tools, render_messages

@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -296,6 +298,10 @@ def main() -> None:
         p.error(str(e))
     if args.experiment_page and experiment is not None:
         add_experiment_page(app)
+    # guided decoding's checker (xgrammar, and torch under it) loads while the gateway already
+    # serves; a request that needs it first waits for the import to finish
+    threading.Thread(target=importlib.import_module, args=("backend.core.grammar_compiler",),
+                     name="warm-up", daemon=True).start()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
 
 

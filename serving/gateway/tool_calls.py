@@ -31,7 +31,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from backend.core.grammar_compiler import json_checker
 from backend.core.json_schema import prepare
 from backend.errors import ValidationError
 from serving.gateway.tool_parsers import PARSER_NAMES, PARSERS, Block, CallArrayReader, ToolParser
@@ -167,7 +166,7 @@ class Tools:
             return None, f"it is not {{\"name\": ..., \"arguments\": {{...}}}} ({type(e).__name__})"
         if not isinstance(name, str) or name not in self.functions:
             return None, f"it names no tool of the request ({str(name)[:64]!r})"
-        if not json_checker(json.dumps(self.functions[name]["parameters"])).matches(arguments):
+        if not checker(self.functions[name]["parameters"]).matches(arguments):
             return None, f"its arguments do not satisfy {name}'s parameters"
         return ToolCall(name, json.dumps(arguments)), ""
 
@@ -240,11 +239,20 @@ def _check_parameters(functions: dict[str, dict], checked: bool) -> None:
     for i, function in enumerate(functions.values()):
         try:
             if checked:
-                json_checker(json.dumps(function["parameters"]))
+                checker(function["parameters"])
             else:
                 prepare(function["parameters"])
         except ValidationError as e:
             raise ToolError(f"tools[{i}].function.parameters", e.message) from None
+
+
+def checker(parameters: dict):
+    """The JsonChecker of a tool's parameters. Its module is imported on first use, or by the
+    gateway's warm-up at start (server.py): xgrammar imports torch, seconds the gateway need not
+    wait for before it serves."""
+    from backend.core.grammar_compiler import json_checker
+
+    return json_checker(json.dumps(parameters))
 
 
 def render_messages(messages: list[dict], tools: Tools | None) -> list[dict]:

@@ -1,6 +1,7 @@
-"""The preprocessing and llm models load their tokenizer without torch, and it is the tokenizer
-AutoTokenizer loads: the same class, ids, chat text, special tokens and prompt-size bound, for
-every model the project serves; a model-specific class still goes through AutoTokenizer."""
+"""The preprocessing and llm models (and the gateway's chat template) load their tokenizer without
+torch, and it is the tokenizer AutoTokenizer loads: the same class, ids, chat text, special tokens
+and prompt-size bound, for every model the project serves; a model-specific class still goes
+through AutoTokenizer. The gateway serves before guided decoding's checker (xgrammar, torch) loads."""
 from __future__ import annotations
 
 import json
@@ -67,6 +68,17 @@ def test_the_preprocessing_and_llm_processes_import_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout[:300]
+
+
+def test_the_gateway_starts_without_torch_and_its_chat_template_is_autotokenizers():
+    probe = (
+        "import sys; import serving.gateway.server; "
+        "from serving.gateway.chat_template import ChatTemplate; "
+        f"t = ChatTemplate.load({str(DEFAULT_MODEL)!r}).tokenizer; print(type(t).__name__); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'xgrammar')))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == [type(AutoTokenizer.from_pretrained(DEFAULT_MODEL)).__name__, "[]"], out.stdout
 
 
 @pytest.mark.parametrize("messages", [CHAT, CHAT[1:2]])
