@@ -14,17 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from backend.model.attention import TorchAttention
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
 from backend.errors import ENGINE_DEAD
 from backend.model.model_loader import load_model
-from backend.model.model_runner import ModelRunner, StepInput
 from backend.sampling_params import SamplingParams
 from backend.model.tensor_parallel import (
     ColumnParallelLinear,
@@ -35,54 +32,21 @@ from backend.model.tensor_parallel import (
     head_shard,
     rank_share,
 )
-from backend.parallel.distributed import all_gather
 from tests.conftest import TINY_VOCAB, write_tiny_model
 from tests.model.test_engine_core import Collector
 from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
+from tests.model.tensor_parallel_ranks import RANK_START_METHOD, generate, rank_main
 
-PROMPTS = [[5, 9, 200, 17, 3, 3, 40], [100, 101, 102, 7]]
-TABLES = [[0, 1], [2, 3]]  # block_size 8: room for 16 tokens each
-DECODE_STEPS = 4
-
-
-def _generate(model) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Logits of a prefill and DECODE_STEPS greedy decode steps, and the tokens chosen. Every
-    rank computes the same argmax from the same (reduced) logits, so they stay in step."""
-    runner = ModelRunner(model, TorchAttention(), num_blocks=4, block_size=8, device=torch.device("cpu"),
-                         dtype=torch.float32)
-    step = StepInput([], [], [], [])
-    for prompt, table in zip(PROMPTS, TABLES):
-        step.add(prompt, 0, table, 1)
-    logits, tokens = [runner.run(step)], [[] for _ in PROMPTS]
-    for _ in range(DECODE_STEPS):
-        step = StepInput([], [], [], [])
-        for i, (prompt, table) in enumerate(zip(PROMPTS, TABLES)):
-            tokens[i].append(int(logits[-1][i].argmax()))
-            step.add([tokens[i][-1]], len(prompt) + len(tokens[i]) - 1, table, 1)
-        logits.append(runner.run(step))
-    return logits, tokens
-
-
-def _rank(rank: int, world_size: int, model_dir: str, rendezvous: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    torch.set_num_threads(1)
-    model, _ = load_model(model_dir, "float32", torch.device("cpu"), 64,
-                          TensorParallelRank(rank, world_size, dist.all_reduce, lambda t: all_gather(t, dist.group.WORLD)))
-    logits, tokens = _generate(model)
-    if rank == 0:
-        torch.save({"logits": logits, "tokens": tokens, "kv_heads": model.args.num_kv_heads,
-                    "vocab_rows": model.model.embed_tokens.weight.shape[0], "tied": model.lm_head.weight is
-                    model.model.embed_tokens.weight}, out)
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
 def test_sharded_ranks_compute_the_unsharded_model(arch, world_size, request, tmp_path):
     model_dir = str(request.getfixturevalue(arch))
-    expected_logits, expected_tokens = _generate(load_model(model_dir, "float32", torch.device("cpu"), 64)[0])
+    expected_logits, expected_tokens = generate(load_model(model_dir, "float32", torch.device("cpu"), 64)[0])
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(world_size, model_dir, str(tmp_path / "rendezvous"), str(out)), nprocs=world_size)
+    mp.start_processes(rank_main, args=(world_size, model_dir, str(tmp_path / "rendezvous"), str(out)),
+                       nprocs=world_size, start_method=RANK_START_METHOD)
     got = torch.load(out)
     assert got["tokens"] == expected_tokens  # greedy tokens identical
     for sharded, whole in zip(got["logits"], expected_logits):
