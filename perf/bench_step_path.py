@@ -1,10 +1,13 @@
-"""The step path's properties, measured: graph replays and host waits per decode step, and
-milliseconds per token, for plain decoding and for draft speculation, with and without overlapped
-steps, by batch size. On a GPU a decode step should replay one graph per forward (the target's, and
-each draft forward's) and wait once (plain, overlapped) or at most twice (speculation, overlapped);
-on a CPU there are no graphs, but the waits are counted the same way.
+"""The step path's properties, measured: graph replays and host waits per decode step,
+milliseconds per token, and host milliseconds per step (the step less its runners' forwards:
+scheduling, building inputs, sampling bookkeeping, drafting's own work), for plain decoding and
+for draft speculation, with and without overlapped steps, by batch size. On a GPU a decode step
+should replay one graph per forward (the target's, and each draft forward's) and wait once (plain,
+overlapped) or at most twice (speculation, overlapped); on a CPU there are no graphs, but the
+waits are counted the same way.
 
     python -m perf.bench_step_path                          # tiny shape, batch 1 and 8
+    python -m perf.bench_step_path --batch-sizes 1 8 64     # host time per speculative step
     python -m perf.bench_step_path --shape 1b --batch-sizes 1 8 64 --json out.json   # on a GPU
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ from backend.config import EngineConfig
 from backend.device import resolve_device
 from backend.engine import LLMEngine
 from backend.sampling_params import SamplingParams
-from perf.harness import sync
+from perf.harness import PartTimer, sync
 from perf.random_checkpoints import SHAPE_1B, SHAPE_TINY, write_model
 
 MODES = {  # name -> engine knobs (the draft is the target itself: every draft accepted)
@@ -51,15 +54,23 @@ def measure(model: Path, device: str, dtype: str, knobs: dict, batch: int, steps
     replays = engine.stats().graph_replays_total
     waits_before = len(engine.host_waits.per_step)
     tokens = 0
+    parts = PartTimer(engine.device)  # each runner's forwards, less the inputs they build (host work)
+    runners = [engine.runner] + ([engine.speculator.proposer.runner] if knobs.get("speculative_method") else [])
+    for runner in runners:
+        parts.wrap(runner, "run", "run")
+        parts.wrap(runner, "prepare", "inputs")
+        parts.wrap(runner, "graph_inputs", "inputs")
     sync(engine.device)
     started = time.perf_counter()
     for _ in range(steps):
         tokens += sum(len(o.token_ids) for o in engine.step())
     sync(engine.device)
     seconds = time.perf_counter() - started
+    forward_seconds = parts.seconds["run"] - parts.seconds["inputs"]
     waits = list(engine.host_waits.per_step)[waits_before - len(engine.host_waits.per_step):] or [0]
     forwards_per_step = 1 + (knobs.get("num_speculative_tokens", 0) if knobs.get("speculative_method") else 0)
     return dict(batch=batch, steps=steps, tokens=tokens, ms_per_step=1e3 * seconds / steps,
+                host_ms_per_step=1e3 * (seconds - forward_seconds) / steps,
                 ms_per_token_per_request=1e3 * seconds * batch / max(tokens, 1),
                 graph_replays_per_step=(engine.stats().graph_replays_total - replays) / steps,
                 forwards_per_step=forwards_per_step, host_waits_mean=statistics.mean(waits), host_waits_max=max(waits))
@@ -80,13 +91,15 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         write_model(Path(tmp), SHAPE_1B if args.shape == "1b" else SHAPE_TINY, device)
-        print("| mode | batch | ms/step | ms/token/request | graph replays/step | forwards/step | host waits/step (mean, max) |")
-        print("|---|---:|---:|---:|---:|---:|---|")
+        print("| mode | batch | ms/step | host ms/step | ms/token/request | graph replays/step | forwards/step "
+              "| host waits/step (mean, max) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
         for mode in args.modes:
             for batch in args.batch_sizes:
                 row = dict(mode=mode) | measure(Path(tmp), str(device), dtype, MODES[mode], batch, args.steps, rng)
                 rows.append(row)
-                print(f"| {mode} | {batch} | {row['ms_per_step']:.2f} | {row['ms_per_token_per_request']:.2f} | "
+                print(f"| {mode} | {batch} | {row['ms_per_step']:.2f} | {row['host_ms_per_step']:.2f} | "
+                      f"{row['ms_per_token_per_request']:.2f} | "
                       f"{row['graph_replays_per_step']:.2f} | {row['forwards_per_step']} | "
                       f"{row['host_waits_mean']:.2f}, {row['host_waits_max']} |", flush=True)
     if args.json:
