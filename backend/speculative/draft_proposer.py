@@ -25,6 +25,44 @@ from backend.sample.sampling_metadata import build_sampling_metadata
 from backend.step_timer import StepTimer
 
 
+class Drafts:
+    """A step's drafts for the whole batch, one tensor each, written once per forward: tokens
+    [requests, max k] and, where some request's verification reads them (sampled without a seed),
+    the distributions they were drawn from [requests, max k, vocab]. A request's proposal is a view
+    of its row; one copy brings every token to the host."""
+
+    def __init__(self, requests: list[Request], ks: list[int], device: torch.device):
+        self.ks = ks
+        self.tokens = torch.zeros((len(requests), max(ks, default=0)), dtype=torch.long, device=device)
+        # verification compares tokens only for greedy and seeded requests: no distribution kept
+        self.reads_probs = [not r.params.greedy and r.params.seed is None for r in requests]
+        self.probs: torch.Tensor | None = None
+
+    def put(self, j: int, active: list[int], tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
+        """Draft j of requests[i] for i in `active` (rows in that order)."""
+        rows = slice(None) if len(active) == len(self.ks) else torch.tensor(active, device=self.tokens.device)
+        self.tokens[rows, j] = tokens
+        if probs is not None and any(self.reads_probs[i] for i in active):
+            if self.probs is None:
+                self.probs = probs.new_zeros((*self.tokens.shape, probs.shape[1]))
+            self.probs[rows, j] = probs
+
+    def proposals(self, waits, pending_rows: dict[str, int], requests: list[Request]) -> list[Proposal]:
+        """The drafts as proposals, on their way to the host; read at once unless the request's last
+        step is still pending (`pending_rows`)."""
+        if not requests:
+            return []
+        copy, width = HostCopy(self.tokens.view(-1), waits=waits), self.tokens.shape[1]
+        proposals = []
+        for i, (r, k) in enumerate(zip(requests, self.ks)):
+            probs = self.probs[i, :k] if self.probs is not None and self.reads_probs[i] else None
+            proposal = Proposal(None, probs, self.tokens[i, :k], (copy, i * width))
+            if r.request_id not in pending_rows:
+                proposal.host_token_ids()
+            proposals.append(proposal)
+        return proposals
+
+
 class DraftProposer:
     def __init__(self, runner: ModelRunner, sampler: Sampler, vocab_size: int):
         self.runner = runner
@@ -62,8 +100,7 @@ class DraftProposer:
         step is still pending) and the distributions they were drawn from (None for a greedy
         request: its verification compares argmaxes). `catch_up` (request, end) rows are only
         read, in the first forward: the draft's KV for their tokens up to `end`, no logits."""
-        drawn: list[list[torch.Tensor]] = [[] for _ in requests]  # per request: [1] device tokens
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        drafts = Drafts(requests, ks, self.runner.device)
         row_of = pending.row_of if pending is not None else {}
         previous: torch.Tensor | None = None  # the last forward's draws, [len(active)]
         previous_active: list[int] = []
@@ -88,16 +125,15 @@ class DraftProposer:
             logits = self.full_vocabulary(self.runner.run(step))
             if active:
                 offsets = step.position_offsets[: len(active)] if step.position_offsets is not None else None
-                previous, previous_active = self.draw(requests, active, logits, drawn, probs, j, offsets), active
+                previous, previous_active = self.draw(requests, active, logits, drafts, j, offsets), active
             if timer is not None:
                 timer.span("draft", (j, sum(len(t) for t in step.token_ids), len(active)), started)
-        return self.proposals(requests, ks, drawn, probs, row_of)
+        return drafts.proposals(self.runner.waits, row_of, requests)
 
-    def draw(self, requests: list[Request], active: list[int], logits: torch.Tensor,
-             drawn: list[list[torch.Tensor]], probs: list[list[torch.Tensor]], j: int,
+    def draw(self, requests: list[Request], active: list[int], logits: torch.Tensor, drafts: Drafts, j: int,
              position_offsets: torch.Tensor | None = None) -> torch.Tensor:
         """Sample draft token j for each request[i], i in `active` (logits row by row), through the
-        engine's sampler; appends it to drawn[i] and its distribution to probs[i]. Returns the tokens.
+        engine's sampler, into `drafts` with its distribution. Returns the tokens.
         A seeded request draws with the noise the target will verify it with at that output index
         (position_offsets [len(active)]: the tokens still on the device, overlapped steps)."""
         drafting = [requests[i] for i in active]
@@ -106,23 +142,5 @@ class DraftProposer:
                                        ahead=j, position_offsets=position_offsets)
         out = self.sampler(logits, meta)
         tokens = out.token_ids[:, 0]
-        for row, i in enumerate(active):
-            drawn[i].append(tokens[row : row + 1])
-            p = requests[i].params
-            if not p.greedy and p.seed is None:  # greedy and seeded verifications compare tokens only
-                probs[i].append(out.probs[row])
+        drafts.put(j, active, tokens, out.probs)
         return tokens
-
-    def proposals(self, requests: list[Request], ks: list[int], drawn: list[list[torch.Tensor]],
-                  probs: list[list[torch.Tensor]], row_of: dict[str, int]) -> list[Proposal]:
-        """The drafts as proposals, on their way to the host; read at once unless the request's last
-        step is still pending (`row_of`)."""
-        device_ids = [torch.cat(d) for d in drawn]
-        proposals = [Proposal(None, torch.stack(p) if p else None, d) for p, d in zip(probs, device_ids)]
-        if proposals:
-            copy, offset = HostCopy(torch.cat(device_ids), waits=self.runner.waits), 0
-            for r, proposal, k in zip(requests, proposals, ks):
-                proposal.host_copy, offset = (copy, offset), offset + k
-                if r.request_id not in row_of:
-                    proposal.host_token_ids()
-        return proposals

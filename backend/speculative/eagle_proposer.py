@@ -21,7 +21,7 @@ import torch
 from backend.core.request import Request
 from backend.core.spec_state import Proposal
 from backend.model.model_runner import StepInput
-from backend.speculative.draft_proposer import DraftProposer
+from backend.speculative.draft_proposer import DraftProposer, Drafts
 from backend.step_timer import StepTimer
 
 
@@ -42,8 +42,7 @@ class EagleProposer(DraftProposer):
                 catch_up: list[tuple[Request, int]] = (), pending=None) -> list[Proposal]:
         if pending is not None:
             raise RuntimeError("an EAGLE head drafts from tokens on the host: overlapped steps are refused")
-        drawn: list[list[torch.Tensor]] = [[] for _ in requests]  # per request: [1] device tokens
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        drafts = Drafts(requests, ks, self.runner.device)
         previous: torch.Tensor | None = None  # the last forward's draws, [len(active)]
         hidden: torch.Tensor | None = None  # and its f^, [len(active), hidden]
         previous_active: list[int] = []
@@ -73,8 +72,8 @@ class EagleProposer(DraftProposer):
                 features = hidden[rows]
             logits, f_hat = self.runner.run(step, features)
             if active:
-                previous = self.draw(requests, active, self.full_vocabulary(logits), drawn, probs, j)
+                previous = self.draw(requests, active, self.full_vocabulary(logits), drafts, j)
                 hidden, previous_active = f_hat, active
             if timer is not None:
                 timer.span("draft", (j, sum(len(t) for t in step.token_ids), len(active)), started)
-        return self.proposals(requests, ks, drawn, probs, {})
+        return drafts.proposals(self.runner.waits, {}, requests)

@@ -248,6 +248,33 @@ def test_draft_forwards_fit_a_graph_when_acceptance_differs_within_a_batch(tiny_
     assert (4, 2) in draft_shapes
 
 
+def test_every_forward_of_a_speculative_step_with_mixed_k_fits_a_graph(tiny_llama, close_draft, graphs_on_cpu):
+    """Requests whose k differs in one step (each is cut short near its max_tokens, at a different
+    step): the draft's forwards keep one shape per forward (the first reads two tokens a request,
+    each next one a token for each request still drafting), and so do the target's verifications
+    while k is uniform; the drafts are one tensor for the batch, rows of k_i."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), speculative_method="draft", draft_model=str(close_draft),
+                                    num_speculative_tokens=3, adaptive_speculation=False, async_scheduling=False))
+    draft_shapes = _graph_shapes(engine.speculator.proposer.runner, (1, 2))
+    ks_seen = set()
+    propose = engine.speculator.proposer.propose
+
+    def recording_propose(requests, ks, *args, **kwargs):
+        ks_seen.add(tuple(sorted(ks)))
+        proposals = propose(requests, ks, *args, **kwargs)
+        assert [len(p.device_token_ids) for p in proposals] == list(ks)
+        assert len({p.device_token_ids.untyped_storage().data_ptr() for p in proposals}) <= 1  # one tensor
+        return proposals
+
+    engine.speculator.proposer.propose = recording_propose
+    for i, max_tokens in enumerate((40, 23, 17, 30)):
+        engine.add_request([5 + i, 6, 7, 8], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(len(set(ks)) > 1 for ks in ks_seen), ks_seen  # the case is a real one
+    assert draft_shapes[0] is None and None not in draft_shapes[1:], draft_shapes
+
+
 def test_multi_token_graphs_stop_at_a_batch_of_64(tiny_llama):
     """Each graph keeps its float32 logits ([batch x q, vocab]), so verification graphs stop at a
     batch of 64 (where speculation still pays); decode graphs go up to max_num_seqs."""
