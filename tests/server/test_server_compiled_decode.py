@@ -18,13 +18,13 @@ PROMPTS = ["Once upon a time, a little robot", "def main():", "The capital of", 
 
 @pytest.fixture(scope="module")
 def compiled_server(tmp_path_factory):
-    from tests.server.conftest import start_test_server
+    from tests.server.conftest import start_test_server, stop_later
 
     shipped = {"dtype": "auto", "quantization": "auto", "compile_decode": "auto", "compile_prefill": "auto"}
     server = start_test_server(tmp_path_factory.mktemp("compiled"), "", parameters=shipped,
                                variants={"eager": {"compile_decode": "false", "compile_prefill": "false"}})
     yield server
-    server.handle.stop()
+    stop_later(server)
 
 
 def _texts(server, model: str) -> list[str]:
