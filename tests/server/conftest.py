@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -211,31 +210,11 @@ def openai_server(server: Server, *args: str, env: dict[str, str] | None = None,
         log.close()
 
 
-_stopping: list[threading.Thread] = []
-
-
-def stop_later(server: Server) -> None:
-    """Stop `server` on a thread of its own, for a test or fixture that is done with it and checks
-    nothing about its stopping: tritonserver takes seconds to unload its models (it polls them
-    once a second), which the next test need not wait for. Every such server has stopped before
-    the session ends (`_servers_stopped`)."""
-    thread = threading.Thread(target=server.handle.stop, name=f"stop tritonserver {server.handle.process.pid}")
-    thread.start()
-    _stopping.append(thread)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _servers_stopped():
-    yield
-    for thread in _stopping:
-        thread.join()
-
-
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
     server = start_test_server(tmp_path_factory.mktemp("server"), f"seed={FAULT_SEED}")
     yield server
-    stop_later(server)
+    server.handle.stop()
 
 
 @pytest.fixture(scope="session")
@@ -250,4 +229,4 @@ def smol_server(tmp_path_factory) -> Server:
     """The default model (SmolLM2-135M-Instruct) served as `make serve` serves it."""
     server = start_test_server(tmp_path_factory.mktemp("smollm2"), "", model_dir=DEFAULT_MODEL)
     yield server
-    stop_later(server)
+    server.handle.stop()

@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client.stream import GenerationError, generate
-from tests.server.conftest import idle, start_test_server, stop_later
+from tests.server.conftest import idle, start_test_server
 
 pytestmark = pytest.mark.server
 
@@ -38,7 +38,7 @@ def server(tmp_path_factory):
     tests that share the session's server."""
     server = start_test_server(tmp_path_factory.mktemp("bls"), "", {"max_num_seqs": str(MAX_NUM_SEQS)})
     yield server
-    stop_later(server)
+    server.handle.stop()
 
 
 class Stream:

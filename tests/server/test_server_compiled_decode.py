@@ -18,13 +18,13 @@ PROMPTS = ["Once upon a time, a little robot", "def main():", "The capital of", 
 
 @pytest.fixture(scope="module")
 def compiled_server(tmp_path_factory):
-    from tests.server.conftest import start_test_server, stop_later
+    from tests.server.conftest import start_test_server
 
     shipped = {"dtype": "auto", "quantization": "auto", "compile_decode": "auto", "compile_prefill": "auto"}
     server = start_test_server(tmp_path_factory.mktemp("compiled"), "", parameters=shipped,
                                variants={"eager": {"compile_decode": "false", "compile_prefill": "false"}})
     yield server
-    stop_later(server)
+    server.handle.stop()
 
 
 def _texts(server, model: str) -> list[str]:

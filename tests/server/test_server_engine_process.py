@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from client.stream import GenerationError, complete
-from tests.server.conftest import FAULT_SEED, start_test_server, stop_later, wait_until_unloaded
+from tests.server.conftest import FAULT_SEED, start_test_server, wait_until_unloaded
 
 pytestmark = pytest.mark.server
 
@@ -23,7 +23,7 @@ PROMPTS = ["def parse(", "class Stack:", "import os\n", "for i in range(", "whil
 def core_server(tmp_path_factory):
     server = start_test_server(tmp_path_factory.mktemp("core"), f"seed={FAULT_SEED}", {"engine_process": "true"})
     yield server
-    stop_later(server)
+    server.handle.stop()
 
 
 def _texts(server, prompts: list[str], max_tokens: int = 24) -> list[str]:

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from client import ab_report
-from tests.server.conftest import openai_server, stop_later
+from tests.server.conftest import openai_server
 
 pytestmark = pytest.mark.server
 ADMIN_KEY = "experiment-admin-key-for-tests"
@@ -163,7 +163,7 @@ def two_configs(tmp_path_factory):
 
     server = start_test_server(tmp_path_factory.mktemp("ab"), "", variants={"slow": {"max_num_seqs": "1"}})
     yield server
-    stop_later(server)
+    server.handle.stop()
 
 
 def test_a_worse_configuration_is_found_worse_and_identical_arms_are_not(two_configs, tmp_path):

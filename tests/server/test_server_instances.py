@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client.stream import GenerationError, complete, generate
-from tests.server.conftest import idle, start_test_server, stop_later
+from tests.server.conftest import idle, start_test_server
 
 pytestmark = pytest.mark.server
 
@@ -27,7 +27,7 @@ def two_instances(tmp_path_factory):
     server = start_test_server(tmp_path_factory.mktemp("instances"), f"fatal_seed={FATAL_SEED}",
                                {"max_pending_requests": "2"}, TWO_INSTANCES)
     yield server
-    stop_later(server)
+    server.handle.stop()
 
 
 def _finished(samples: dict[str, float]) -> float:
@@ -136,4 +136,4 @@ def test_a_full_triton_queue_refuses_with_unavailable(tmp_path_factory):
         assert set(outcomes) == {"ok", "Exceeds maximum queue size"}, outcomes
         assert _greedy(server, PROMPTS[0])  # and it serves on
     finally:
-        stop_later(server)
+        server.handle.stop()

@@ -12,7 +12,7 @@ import pytest
 
 from backend.errors import ENGINE_DEAD, INTERNAL_ERROR
 from client.stream import GenerationError, complete
-from tests.server.conftest import FAULT_SEED, model_ready, start_test_server, stop_later
+from tests.server.conftest import FAULT_SEED, model_ready, start_test_server
 
 pytestmark = pytest.mark.server
 
@@ -64,7 +64,7 @@ def test_a_faulting_request_fails_alone(server, model):
 def doomed_server(tmp_path_factory):
     server = start_test_server(tmp_path_factory.mktemp("doomed"), f"fatal_seed={FAULT_SEED}")
     yield server
-    stop_later(server)
+    server.handle.stop()
 
 
 def test_a_fatal_fault_ends_everything_and_the_engine_reports_not_ready(doomed_server):

@@ -9,7 +9,7 @@ import pytest
 from backend.parallel.distributed import RANK_SECRET_VARIABLE
 from tests.conftest import free_port
 from tests.model.test_pipeline_parallel import TEST_RANK_SECRET, start_node
-from tests.server.conftest import start_test_server, stop_later, wait_until_unloaded
+from tests.server.conftest import start_test_server, wait_until_unloaded
 from tests.server.test_server_engine_process import PROMPTS, _kill_mid_stream, _texts
 
 pytestmark = pytest.mark.server
@@ -30,7 +30,7 @@ def test_a_second_node_serves_stage_1_and_its_death_ends_the_streams(tmp_path, s
             assert pp.handle.process.poll() is None  # the server lives on
             assert node.wait(10) != 0
         finally:
-            stop_later(pp)
+            pp.handle.stop()
     finally:
         node.kill()
         node.wait()

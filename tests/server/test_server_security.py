@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 from client.stream import GenerationError, complete
 from serving.launch.launcher import ADMIN_HEADER, GRPC_ADMIN_HEADER
 from serving.launch.supervisor import EngineSupervisor
-from tests.server.conftest import model_ready, start_test_server, stop_later, wait_until_unloaded
+from tests.server.conftest import model_ready, start_test_server, wait_until_unloaded
 
 pytestmark = pytest.mark.server
 FATAL_SEED = 4343
@@ -95,7 +95,7 @@ def test_a_server_whose_engine_died_serves_again_without_anyone_acting(tmp_path)
         assert completion.num_output_tokens == 8
     finally:
         supervisor.stop()
-        stop_later(server)
+        server.handle.stop()
 
 
 def test_a_supervisor_that_cannot_bring_the_engine_back_gives_up(server):

@@ -28,7 +28,7 @@ import pytest
 from backend.errors import INTERNAL_ERROR
 from client.stream import generate
 from serving.triton.engine_stream import EngineStream, StreamError
-from tests.server.conftest import idle, start_test_server, stop_later
+from tests.server.conftest import idle, start_test_server
 
 RELAY = Path(__file__).parent / "bls_relay"
 
@@ -46,7 +46,7 @@ LONG_FREEZE_S = 13.0  # past llm_engine's SEND_TIMEOUT_S (10 s)
 def stuck_server(tmp_path_factory):
     server = start_test_server(tmp_path_factory.mktemp("stuck"), "", extra_models=(RELAY,))
     yield server
-    stop_later(server)
+    server.handle.stop()
 
 
 def _stub_process(server, model: str) -> psutil.Process:
