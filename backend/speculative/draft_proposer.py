@@ -32,7 +32,7 @@ class Drafts:
     of its row; one copy brings every token to the host."""
 
     def __init__(self, requests: list[Request], ks: list[int], device: torch.device):
-        self.ks = ks
+        self.requests, self.ks = requests, ks
         self.tokens = torch.zeros((len(requests), max(ks, default=0)), dtype=torch.long, device=device)
         # verification compares tokens only for greedy and seeded requests: no distribution kept
         self.reads_probs = [not r.params.greedy and r.params.seed is None for r in requests]
@@ -40,21 +40,21 @@ class Drafts:
 
     def put(self, j: int, active: list[int], tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
         """Draft j of requests[i] for i in `active` (rows in that order)."""
-        rows = slice(None) if len(active) == len(self.ks) else torch.tensor(active, device=self.tokens.device)
+        rows = slice(None) if len(active) == len(self.requests) else torch.tensor(active, device=self.tokens.device)
         self.tokens[rows, j] = tokens
         if probs is not None and any(self.reads_probs[i] for i in active):
             if self.probs is None:
                 self.probs = probs.new_zeros((*self.tokens.shape, probs.shape[1]))
             self.probs[rows, j] = probs
 
-    def proposals(self, waits, pending_rows: dict[str, int], requests: list[Request]) -> list[Proposal]:
+    def proposals(self, waits, pending_rows: dict[str, int]) -> list[Proposal]:
         """The drafts as proposals, on their way to the host; read at once unless the request's last
         step is still pending (`pending_rows`)."""
-        if not requests:
+        if not self.requests:
             return []
         copy, width = HostCopy(self.tokens.view(-1), waits=waits), self.tokens.shape[1]
         proposals = []
-        for i, (r, k) in enumerate(zip(requests, self.ks)):
+        for i, (r, k) in enumerate(zip(self.requests, self.ks)):
             probs = self.probs[i, :k] if self.probs is not None and self.reads_probs[i] else None
             proposal = Proposal(None, probs, self.tokens[i, :k], (copy, i * width))
             if r.request_id not in pending_rows:
@@ -128,7 +128,7 @@ class DraftProposer:
                 previous, previous_active = self.draw(requests, active, logits, drafts, j, offsets), active
             if timer is not None:
                 timer.span("draft", (j, sum(len(t) for t in step.token_ids), len(active)), started)
-        return drafts.proposals(self.runner.waits, row_of, requests)
+        return drafts.proposals(self.runner.waits, row_of)
 
     def draw(self, requests: list[Request], active: list[int], logits: torch.Tensor, drafts: Drafts, j: int,
              position_offsets: torch.Tensor | None = None) -> torch.Tensor:

@@ -76,4 +76,4 @@ class EagleProposer(DraftProposer):
                 hidden, previous_active = f_hat, active
             if timer is not None:
                 timer.span("draft", (j, sum(len(t) for t in step.token_ids), len(active)), started)
-        return drafts.proposals(self.runner.waits, {}, requests)
+        return drafts.proposals(self.runner.waits, {})

@@ -38,7 +38,6 @@ from tests.model.test_engine_vs_hf import hf_greedy, mixed_prompts, run_engine
 from tests.model.tensor_parallel_ranks import RANK_START_METHOD, generate, rank_main
 
 
-
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
 def test_sharded_ranks_compute_the_unsharded_model(arch, world_size, request, tmp_path):
